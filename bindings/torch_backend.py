@@ -1,0 +1,214 @@
+"""``gloo`` and ``nccl`` transports over torch.distributed process groups."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+
+from bindings.base import RawWork
+from bindings.communicator import BaseCommunicator, DoneWork
+from bindings.errors import CommError, CommTimeoutError, PeerFailureError
+from bindings.ops import ReduceOp
+
+__all__ = ["TorchCommunicator", "translate_torch_error"]
+
+logger = logging.getLogger(__name__)
+
+# torch renamed the tensor-form collectives in 2026 and warns on the old names;
+# call whichever spelling this torch has, newest first.
+_all_gather_tensor = getattr(tdist, "all_gather_single", None) or tdist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(tdist, "reduce_scatter_single", None) or tdist.reduce_scatter_tensor
+
+_TORCH_OPS = {
+    ReduceOp.SUM: tdist.ReduceOp.SUM,
+    ReduceOp.AVG: tdist.ReduceOp.AVG,
+    ReduceOp.PRODUCT: tdist.ReduceOp.PRODUCT,
+    ReduceOp.MIN: tdist.ReduceOp.MIN,
+    ReduceOp.MAX: tdist.ReduceOp.MAX,
+    ReduceOp.BAND: tdist.ReduceOp.BAND,
+    ReduceOp.BOR: tdist.ReduceOp.BOR,
+    ReduceOp.BXOR: tdist.ReduceOp.BXOR,
+}
+
+_PEER_LOST = (
+    "connection closed",
+    "connection reset",
+    "read error",
+    "broken pipe",
+    "socket closed",
+    "connection refused",
+    "aborted",
+    "shutdown",
+    "ncclremoteerror",
+    "nccl communicator was aborted",
+)
+
+
+def translate_torch_error(op_name: str, exc: BaseException) -> CommError:
+    """Map an exception raised by torch.distributed to the ``CommError`` family."""
+    text = str(exc)
+    low = text.lower()
+    if "timed out" in low or "timeout" in low:
+        return CommTimeoutError(f"{op_name}: {text}")
+    if any(s in low for s in _PEER_LOST):
+        return PeerFailureError(f"{op_name}: lost a peer: {text}")
+    return CommError(f"{op_name}: {text}")
+
+
+class _TorchWork:
+    """Raw work over a ``torch.distributed.Work``."""
+
+    def __init__(self, op_name: str, work: Any) -> None:
+        self._op_name = op_name
+        self._work = work
+
+    def wait(self, timeout_s: float | None) -> None:
+        try:
+            if timeout_s is None:
+                self._work.wait()
+            else:
+                self._work.wait(timedelta(seconds=timeout_s))
+        except CommError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError/DistBackendError
+            raise translate_torch_error(self._op_name, exc) from exc
+
+    def is_completed(self) -> bool:
+        return bool(self._work.is_completed())
+
+
+def _call(op_name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> RawWork:
+    try:
+        work = fn(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001
+        raise translate_torch_error(op_name, exc) from exc
+    return _TorchWork(op_name, work) if work is not None else DoneWork()
+
+
+class TorchCommunicator(BaseCommunicator):
+    """A communicator over a torch.distributed process group (``gloo`` or ``nccl``).
+
+    Args:
+        group: The torch process group; ``None`` means torch's default group
+            (``torch.distributed.init_process_group`` must have been called).
+        timeout: Default deadline of blocking calls.
+        check_collectives: See :class:`~bindings.communicator.BaseCommunicator`.
+    """
+
+    def __init__(
+        self,
+        group: tdist.ProcessGroup | None = None,
+        *,
+        timeout: timedelta,
+        check_collectives: bool = False,
+    ) -> None:
+        if not tdist.is_initialized():
+            raise RuntimeError("TorchCommunicator: torch.distributed is not initialized")
+        pg = group if group is not None else tdist.group.WORLD
+        assert pg is not None
+        self._pg: tdist.ProcessGroup = pg
+        self._global_ranks: list[int] = tdist.get_process_group_ranks(pg)
+        self._backend = str(tdist.get_backend(pg)).lower()
+        self._is_world = group is None or pg is tdist.group.WORLD
+        super().__init__(
+            tdist.get_rank(pg),
+            tdist.get_world_size(pg),
+            timeout=timeout,
+            check_collectives=check_collectives,
+        )
+        self.native_avg = self._backend == "nccl"
+
+    @property
+    def backend(self) -> str:
+        """``gloo`` or ``nccl``."""
+        return self._backend
+
+    @property
+    def process_group(self) -> tdist.ProcessGroup:
+        """The underlying torch process group (for interop, e.g. DDP)."""
+        return self._pg
+
+    def _meta_device(self) -> torch.device:
+        if self._backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _g(self, rank: int) -> int:
+        return self._global_ranks[rank]
+
+    def _raw_all_reduce(self, buf: torch.Tensor, op: ReduceOp) -> RawWork:
+        return _call("all_reduce", tdist.all_reduce, buf, op=_TORCH_OPS[op], group=self._pg, async_op=True)
+
+    def _raw_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp) -> RawWork:
+        return _call(
+            "reduce_scatter",
+            _reduce_scatter_tensor,
+            out.view(-1),
+            inp.view(-1),
+            op=_TORCH_OPS[op],
+            group=self._pg,
+            async_op=True,
+        )
+
+    def _raw_all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> RawWork:
+        return _call(
+            "all_gather", _all_gather_tensor, out.view(-1), inp.view(-1), group=self._pg, async_op=True
+        )
+
+    def _raw_broadcast(self, buf: torch.Tensor, src: int) -> RawWork:
+        return _call("broadcast", tdist.broadcast, buf, src=self._g(src), group=self._pg, async_op=True)
+
+    def _raw_barrier(self) -> RawWork:
+        return _call("barrier", tdist.barrier, group=self._pg, async_op=True)
+
+    def _raw_send(self, buf: torch.Tensor, dst: int, tag: int) -> RawWork:
+        if buf.numel() == 0:  # gloo cannot receive 0 bytes from any source: send one token byte
+            buf = torch.zeros(1, dtype=torch.uint8, device=buf.device)
+        return _call("send", tdist.isend, buf, dst=self._g(dst), group=self._pg, tag=tag)
+
+    def _raw_recv(
+        self, buf: torch.Tensor, src: int | None, tag: int
+    ) -> tuple[RawWork, Callable[[], int]]:
+        if buf.numel() == 0:  # matches the token byte of _raw_send
+            buf = torch.zeros(1, dtype=torch.uint8, device=buf.device)
+        try:
+            work = tdist.irecv(buf, src=None if src is None else self._g(src), group=self._pg, tag=tag)
+        except Exception as exc:  # noqa: BLE001
+            raise translate_torch_error("recv", exc) from exc
+        if src is not None:
+            return _TorchWork("recv", work), lambda: src
+        ranks = self._global_ranks
+        return _TorchWork("recv", work), lambda: ranks.index(int(work._source_rank()))
+
+    def _raw_split(self, members: list[int]) -> TorchCommunicator | None:
+        global_members = [self._g(r) for r in members]
+        try:
+            pg = tdist.new_group(
+                ranks=global_members,
+                timeout=self.timeout,
+                use_local_synchronization=not self._is_world,
+            ) if (self._is_world or self.rank in members) else None
+        except Exception as exc:  # noqa: BLE001
+            raise translate_torch_error("split", exc) from exc
+        if self.rank not in members or pg is None or pg == tdist.GroupMember.NON_GROUP_MEMBER:
+            return None
+        return TorchCommunicator(pg, timeout=self.timeout, check_collectives=self.check_collectives)
+
+    def _raw_abort(self) -> None:
+        try:
+            self._pg.abort()
+        except Exception as exc:  # noqa: BLE001 - abort is best effort by definition
+            logger.debug("process group abort raised %s", exc)
+
+    def _raw_close(self) -> None:
+        if self._is_world:
+            return  # torch's default group is owned by whoever called init_process_group
+        try:
+            tdist.destroy_process_group(self._pg)
+        except Exception as exc:  # noqa: BLE001
+            logger.debug("destroy_process_group raised %s", exc)
