@@ -55,21 +55,14 @@ def parse_reduce_op(op: Any) -> ReduceOp:
     """
     if isinstance(op, ReduceOp):
         return op
+    name: object = None
     if isinstance(op, str):
         name = op
     else:
-        name = getattr(op, "name", None)
-        if name is None:
-            # torch.distributed.ReduceOp instances wrap a RedOpType; compare through it.
-            import torch.distributed as tdist
+        import torch.distributed as tdist
 
-            for member in tdist.ReduceOp.RedOpType.__members__.values():
-                try:
-                    if op == member:
-                        name = member.name
-                        break
-                except Exception:  # noqa: BLE001 - foreign objects may not compare
-                    break
+        if isinstance(op, tdist.ReduceOp.RedOpType):
+            name = op.name
     if isinstance(name, str):
         try:
             return ReduceOp(name.lower())

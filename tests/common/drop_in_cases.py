@@ -314,7 +314,34 @@ def case_lifecycle(rank: int, ws: int, seed: int = 11) -> int:
     return 5
 
 
+def case_byte_accounting(rank: int, ws: int, seed: int = 12) -> int:
+    """Counted bytes equal the analytic ring volumes, op by op."""
+    from bindings.stats import ring_bytes
+
+    stats = dist.get_stats()
+    stats.reset()
+    x = torch.ones(1000)
+    dist.all_reduce(x)
+    dist.all_gather_into_tensor(torch.empty(250 * ws, dtype=torch.float64), torch.ones(250, dtype=torch.float64))
+    dist.reduce_scatter_tensor(torch.empty(100, dtype=torch.bfloat16), torch.ones(100 * ws, dtype=torch.bfloat16))
+    dist.broadcast(x, src=0)
+    dist.barrier()
+    expect = {
+        "all_reduce": ring_bytes("all_reduce", 4000, ws),
+        "all_gather": ring_bytes("all_gather", 2000, ws),
+        "reduce_scatter": ring_bytes("reduce_scatter", 200, ws),
+        "broadcast": ring_bytes("broadcast", 4000, ws, is_root=rank == 0),
+        "barrier": (0, 0),
+    }
+    for op, (sent, received) in expect.items():
+        got = stats.get(op)
+        assert (got.calls, got.bytes_sent, got.bytes_received) == (1, sent, received), (op, got)
+    assert stats.bytes_sent == sum(s for s, _ in expect.values())
+    return len(expect)
+
+
 CASES: dict[str, Callable[[int, int], int]] = {
+    "byte_accounting": case_byte_accounting,
     "all_reduce": case_all_reduce,
     "broadcast": case_broadcast,
     "all_gather": case_all_gather,

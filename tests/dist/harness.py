@@ -36,6 +36,7 @@ def _child(
     timeout_s: float,
     args: tuple[Any, ...],
     results: Any,
+    init_kwargs: dict[str, Any],
 ) -> None:
     import torch
 
@@ -50,6 +51,7 @@ def _child(
                 rank=rank,
                 world_size=world_size,
                 timeout=timedelta(seconds=timeout_s),
+                **init_kwargs,
             )
         value = fn(rank, world_size, *args)
         results.put((rank, "ok", value))
@@ -71,6 +73,7 @@ def run_ranks(
     backend: str = "gloo",
     init: bool = True,
     op_timeout: float | None = None,
+    init_kwargs: dict[str, Any] | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes.
 
@@ -82,6 +85,7 @@ def run_ranks(
         backend: Backend of the default group.
         init: Initialize the default group before calling ``fn``.
         op_timeout: Timeout of the group's collectives (default: ``timeout``).
+        init_kwargs: Extra keyword arguments of ``init_process_group``.
 
     Returns:
         ``fn``'s return values, by rank.
@@ -96,7 +100,10 @@ def run_ranks(
         procs = [
             ctx.Process(
                 target=_child,
-                args=(fn, r, world_size, init_method, backend, op_timeout or timeout, args, results),
+                args=(
+                    fn, r, world_size, init_method, backend, op_timeout or timeout, args, results,
+                    dict(init_kwargs or {}),
+                ),
                 name=f"rank{r}",
                 daemon=True,
             )

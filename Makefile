@@ -1,0 +1,38 @@
+# Two entry points: `make train` and `make test`. Each creates .venv if it is
+# missing and installs what it needs first.
+#
+# TORCH_SPEC pins the torch build CI uses (the CPU wheel). Bring your own:
+#   make test TORCH_SPEC=          (keep the torch already in .venv)
+#   make test TORCH_SPEC='torch==2.13.0+cu126' ...
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_SPEC ?= torch==2.13.0
+EXTRAS ?= mpi,dev
+STAMP := $(VENV)/.sparsecomm-installed
+PYTEST_ARGS ?=
+
+.PHONY: train test setup bench gpu-check lint clean
+
+train: $(STAMP)
+	$(BIN)/sparsecomm train
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+setup: $(STAMP)
+
+bench: $(STAMP)
+	$(BIN)/sparsecomm bench collectives --backend gloo,mpi --nproc 4 --json runs/bench/collectives.json
+
+lint: $(STAMP)
+	$(BIN)/ruff check bindings sparsecomm resilient_comm optim tests
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(if $(TORCH_SPEC),$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)")
+	$(BIN)/python -m pip install --quiet -e ".[$(EXTRAS)]"
+	touch $@
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

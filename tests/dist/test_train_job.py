@@ -1,0 +1,121 @@
+"""The ``sparsecomm train`` job end to end: 2 spawned gloo ranks, a tiny model, ~20 steps."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bindings.stats import ring_bytes
+from optim.cli import build_parser, build_report, write_report
+from optim.train import OnStep, TrainConfig, TrainLaunchError, launch_local, run_training
+
+pytestmark = pytest.mark.dist
+
+TINY = {
+    "nproc": 2,
+    "steps": 20,
+    "d_model": 32,
+    "n_layers": 1,
+    "n_heads": 2,
+    "context": 32,
+    "batch": 8,
+    "lr": 1e-2,
+    "warmup_steps": 2,
+    "eval_interval": 10,
+    "eval_batches": 2,
+    "max_corpus_bytes": 300_000,
+    "comm_timeout_s": 60.0,
+    "job_timeout_s": 90.0,
+}
+
+
+@pytest.mark.timeout(150)
+def test_train_job_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(var, raising=False)  # spawn, even when pytest runs under a launcher
+    config = TrainConfig(**TINY, out=str(tmp_path / "run"))
+    result = run_training(config)
+    assert result is not None and result["launcher"] == "local"
+    report = build_report(config, result)
+    json_path, png_path = write_report(report, config.out)
+
+    data = json.loads(json_path.read_text())
+    for key in ("config", "world_size", "backend", "versions", "wall_time_s", "steps", "evals",
+                "wire_bytes", "final", "model", "corpus", "comm_stats"):
+        assert key in data, key
+    assert data["world_size"] == 2 and data["backend"] == "gloo"
+    assert data["config"]["steps"] == 20 and data["config"]["nproc"] == 2
+    assert {"python", "torch", "sparsecomm"} <= set(data["versions"])
+    assert data["wall_time_s"] > 0 and data["corpus"]["num_bytes"] == 300_000
+    steps = data["steps"]
+    assert [s["step"] for s in steps] == list(range(1, 21))
+    for s in steps:
+        assert s["step_time_s"] > 0 and s["train_loss"] > 0
+    assert [e["step"] for e in data["evals"]] == [0, 10, 20]
+
+    # One all-reduce of the flat bucket (all grads + the loss) per step.
+    bucket = data["wire_bytes"]["bucket_bytes"]
+    assert bucket == 4 * (data["model"]["num_parameters"] + 1)
+    sent, received = ring_bytes("all_reduce", bucket, 2)
+    assert all(s["bytes_sent"] == sent and s["bytes_received"] == received for s in steps)
+    assert data["wire_bytes"]["per_step"] == sent
+    assert data["wire_bytes"]["total"] == 20 * sent
+    assert data["comm_stats"]["all_reduce"]["calls"] >= 20
+
+    # The loss fell: train (first vs last steps) and validation (start vs end).
+    losses = [s["train_loss"] for s in steps]
+    assert sum(losses[-5:]) / 5 < sum(losses[:3]) / 3 - 0.5, losses
+    assert data["final"]["val_loss"] < data["final"]["initial_val_loss"] - 0.5, data["evals"]
+
+    assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert png_path.stat().st_size > 5_000
+
+
+# Workers for the failure tests: module level, so that spawned ranks can import them.
+def _raise_on_rank1(config: TrainConfig, rank: int, world_size: int, on_step: OnStep | None) -> Any:
+    if rank == 1:
+        raise ValueError("boom from rank 1")
+    time.sleep(120)  # rank 0 hangs: the launcher must kill it
+
+
+def _die_on_rank1(config: TrainConfig, rank: int, world_size: int, on_step: OnStep | None) -> Any:
+    if rank == 1:
+        os._exit(3)
+    time.sleep(120)
+
+
+@pytest.mark.timeout(90)
+def test_launcher_reports_failing_rank_and_kills_the_rest() -> None:
+    t0 = time.monotonic()
+    with pytest.raises(TrainLaunchError) as info:
+        launch_local(TrainConfig(**TINY), worker=_raise_on_rank1)
+    assert info.value.rank == 1
+    assert "boom from rank 1" in str(info.value) and "Traceback" in str(info.value)
+    assert time.monotonic() - t0 < 60
+
+
+@pytest.mark.timeout(90)
+def test_launcher_reports_rank_that_died() -> None:
+    with pytest.raises(TrainLaunchError, match="exited with code 3") as info:
+        launch_local(TrainConfig(**TINY), worker=_die_on_rank1)
+    assert info.value.rank == 1
+
+
+def test_launcher_refuses_local_mpi() -> None:
+    with pytest.raises(ValueError, match="mpirun"):
+        launch_local(TrainConfig(backend="mpi"))
+
+
+def test_cli_defaults_match_train_config() -> None:
+    args = build_parser().parse_args(["train"])
+    d = TrainConfig()
+    assert (args.nproc, args.steps, args.backend, args.out) == (d.nproc, d.steps, d.backend, d.out)
+    assert (args.lr, args.batch, args.seed, args.data) == (d.lr, d.batch, d.seed, d.data)
+    assert args.func is not None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--backend", "nccl"])

@@ -1,0 +1,47 @@
+"""Imports point one way: bindings <- sparsecomm, resilient_comm <- optim."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+FORBIDDEN = {
+    "bindings": {"sparsecomm", "resilient_comm", "optim"},
+    "sparsecomm": {"resilient_comm", "optim"},
+    "resilient_comm": {"sparsecomm", "optim"},
+    "optim": set(),
+}
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_import_direction(package: str) -> None:
+    bad = []
+    for path in sorted((ROOT / package).rglob("*.py")):
+        for name in _imports(path) & FORBIDDEN[package]:
+            bad.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not bad, "\n".join(bad)
+
+
+def test_only_bindings_touches_transports() -> None:
+    bad = []
+    for package in ("sparsecomm", "resilient_comm", "optim"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            text = path.read_text()
+            for needle in ("mpi4py", "cupy.cuda.nccl", "ProcessGroupGloo", "ProcessGroupNCCL"):
+                if needle in text:
+                    bad.append(f"{path.relative_to(ROOT)} mentions {needle}")
+    assert not bad, "\n".join(bad)
