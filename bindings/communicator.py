@@ -307,6 +307,21 @@ class BaseCommunicator(abc.ABC):
         """Device of the small metadata tensors (CPU unless the transport needs CUDA)."""
         return torch.device("cpu")
 
+    def _check_transport(
+        self,
+        op_name: str,
+        op: ReduceOp | None,
+        tensors: tuple[torch.Tensor, ...],
+        *,
+        peer: int | None = 0,
+        tag: int = 0,
+    ) -> None:
+        """Raise ``ValueError``/``TypeError`` for what this transport cannot do.
+
+        Runs after the generic checks and before any communication; the
+        outcome depends only on the arguments, so it is the same on every rank.
+        """
+
     # ------------------------------------------------------------------ collectives
     def all_reduce(self, tensor: torch.Tensor, op: Any = ReduceOp.SUM, *, async_op: bool = False) -> Handle | None:
         """Reduce ``tensor`` across ranks, in place.
@@ -330,6 +345,7 @@ class BaseCommunicator(abc.ABC):
         rop = parse_reduce_op(op)
         _check_op_dtype(rop, tensor.dtype)
         _check_async(async_op)
+        self._check_transport("all_reduce", rop, (tensor,))
         self._ensure_usable("all_reduce")
         if self._check:
             self._agree("all_reduce", tensor.dtype, tensor.numel(), _OP_CODES[rop], 0)
@@ -374,6 +390,7 @@ class BaseCommunicator(abc.ABC):
                 f"input: numel {input.numel()} must be output numel {output.numel()} "
                 f"x world_size {self._world_size}"
             )
+        self._check_transport("reduce_scatter", rop, (output, input))
         self._ensure_usable("reduce_scatter")
         if self._check:
             self._agree("reduce_scatter", input.dtype, input.numel(), _OP_CODES[rop], 0)
@@ -416,6 +433,7 @@ class BaseCommunicator(abc.ABC):
                 f"output: numel {output.numel()} must be input numel {input.numel()} "
                 f"x world_size {self._world_size}"
             )
+        self._check_transport("all_gather", None, (output, input))
         self._ensure_usable("all_gather")
         if self._check:
             self._agree("all_gather", input.dtype, input.numel(), 0, 0)
@@ -439,6 +457,7 @@ class BaseCommunicator(abc.ABC):
         _check_tensor("tensor", tensor)
         _check_rank("src", src, self._world_size)
         _check_async(async_op)
+        self._check_transport("broadcast", None, (tensor,))
         self._ensure_usable("broadcast")
         if self._check:
             self._agree("broadcast", tensor.dtype, tensor.numel(), 0, src)
@@ -471,6 +490,7 @@ class BaseCommunicator(abc.ABC):
         _check_async(async_op)
         if dst == self._rank:
             raise ValueError(f"dst: cannot send to this rank itself ({dst})")
+        self._check_transport("send", None, (tensor,), peer=dst, tag=tag)
         self._ensure_usable("send")
         buf = tensor if tensor.is_contiguous() else tensor.contiguous()
         raw = self._raw_send(buf, dst, tag)
@@ -492,6 +512,7 @@ class BaseCommunicator(abc.ABC):
         _check_async(async_op)
         if src == self._rank:
             raise ValueError(f"src: cannot receive from this rank itself ({src})")
+        self._check_transport("recv", None, (tensor,), peer=src, tag=tag)
         self._ensure_usable("recv")
         buf, copy_back = _staged(tensor)
         raw, source = self._raw_recv(buf, src, tag)

@@ -116,7 +116,7 @@ def create_communicator(
         from bindings.cupy_nccl import CupyNcclCommunicator
 
         if store is None:
-            store = _tcp_store(rank, world_size, init_method, timeout)
+            store = _make_store(rank, world_size, init_method, timeout)
         return CupyNcclCommunicator(
             store, rank, world_size, timeout=timeout, check_collectives=check_collectives
         )
@@ -179,9 +179,11 @@ def _env_init_method() -> str:
     return f"tcp://{addr}:{port}"
 
 
-def _tcp_store(rank: int, world_size: int, init_method: str | None, timeout: timedelta) -> Any:
+def _make_store(rank: int, world_size: int, init_method: str | None, timeout: timedelta) -> Any:
     import torch.distributed as tdist
 
+    if init_method is not None and init_method.startswith("file://"):
+        return tdist.FileStore(init_method[len("file://") :], world_size)
     if init_method is not None and init_method.startswith("tcp://"):
         host, _, port = init_method[len("tcp://") :].partition(":")
         addr, port_no = host, int(port)
