@@ -307,6 +307,10 @@ class BaseCommunicator(abc.ABC):
         """Device of the small metadata tensors (CPU unless the transport needs CUDA)."""
         return torch.device("cpu")
 
+    def _wire_bytes(self, op: str, nbytes: int) -> tuple[int, int]:
+        """(sent, received) bytes of one call, for the algorithm this transport runs."""
+        return ring_bytes(op, nbytes, self._world_size)
+
     def _check_transport(
         self,
         op_name: str,
@@ -356,7 +360,7 @@ class BaseCommunicator(abc.ABC):
             n = self._world_size
             divide = lambda: buf.div_(n)  # noqa: E731
         raw = self._raw_all_reduce(buf, rop) if buf.numel() else DoneWork()
-        self._stats.record("all_reduce", *ring_bytes("all_reduce", _nbytes(buf), self._world_size))
+        self._stats.record("all_reduce", *self._wire_bytes("all_reduce", _nbytes(buf)))
         return self._complete("all_reduce", raw, _chain(divide, copy_back), async_op)
 
     def reduce_scatter(
@@ -409,9 +413,7 @@ class BaseCommunicator(abc.ABC):
             raw = self._raw_reduce_scatter(buf, src, rop)
         else:
             raw = DoneWork()
-        self._stats.record(
-            "reduce_scatter", *ring_bytes("reduce_scatter", _nbytes(buf), self._world_size)
-        )
+        self._stats.record("reduce_scatter", *self._wire_bytes("reduce_scatter", _nbytes(buf)))
         return self._complete("reduce_scatter", raw, _chain(divide, copy_back), async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False) -> Handle | None:
@@ -446,7 +448,7 @@ class BaseCommunicator(abc.ABC):
             raw = self._raw_all_gather(buf, src)
         else:
             raw = DoneWork()
-        self._stats.record("all_gather", *ring_bytes("all_gather", _nbytes(src), self._world_size))
+        self._stats.record("all_gather", *self._wire_bytes("all_gather", _nbytes(src)))
         return self._complete("all_gather", raw, copy_back, async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int, *, async_op: bool = False) -> Handle | None:

@@ -126,7 +126,8 @@ def create_communicator(
 
         from bindings.torch_backend import TorchCommunicator
 
-        if not tdist.is_initialized():
+        owns = not tdist.is_initialized()
+        if owns:
             if store is None and init_method is None:
                 init_method = _env_init_method()
             tdist.init_process_group(
@@ -137,7 +138,9 @@ def create_communicator(
                 world_size=world_size,
                 timeout=timeout,
             )
-        return TorchCommunicator(None, timeout=timeout, check_collectives=check_collectives)
+        return TorchCommunicator(
+            None, timeout=timeout, check_collectives=check_collectives, owns_world=owns
+        )
 
     raise ValueError(f"backend: unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
 

@@ -14,8 +14,12 @@ from bindings.base import RawWork
 from bindings.communicator import BaseCommunicator, DoneWork
 from bindings.errors import CommError, CommTimeoutError, PeerFailureError
 from bindings.ops import ReduceOp
+from bindings.stats import ring_bytes
 
-__all__ = ["TorchCommunicator", "translate_torch_error"]
+__all__ = ["TorchCommunicator", "TorchReduceOp", "as_torch_communicator", "translate_torch_error"]
+
+#: torch.distributed's ``ReduceOp``, re-exported by the drop-in API.
+TorchReduceOp = tdist.ReduceOp
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +64,24 @@ def translate_torch_error(op_name: str, exc: BaseException) -> CommError:
     return CommError(f"{op_name}: {text}")
 
 
+class _ThenWork:
+    """Raw work that runs ``then`` once the inner work finished."""
+
+    def __init__(self, inner: RawWork, then: Callable[[], None]) -> None:
+        self._inner = inner
+        self._then = then
+        self._done = False
+
+    def wait(self, timeout_s: float | None) -> None:
+        self._inner.wait(timeout_s)
+        if not self._done:
+            self._then()
+            self._done = True
+
+    def is_completed(self) -> bool:
+        return self._inner.is_completed()
+
+
 class _TorchWork:
     """Raw work over a ``torch.distributed.Work``."""
 
@@ -98,6 +120,8 @@ class TorchCommunicator(BaseCommunicator):
             (``torch.distributed.init_process_group`` must have been called).
         timeout: Default deadline of blocking calls.
         check_collectives: See :class:`~bindings.communicator.BaseCommunicator`.
+        owns_world: This communicator initialized torch's default group and
+            destroys it on :meth:`close`.
     """
 
     def __init__(
@@ -106,6 +130,7 @@ class TorchCommunicator(BaseCommunicator):
         *,
         timeout: timedelta,
         check_collectives: bool = False,
+        owns_world: bool = False,
     ) -> None:
         if not tdist.is_initialized():
             raise RuntimeError("TorchCommunicator: torch.distributed is not initialized")
@@ -115,6 +140,7 @@ class TorchCommunicator(BaseCommunicator):
         self._global_ranks: list[int] = tdist.get_process_group_ranks(pg)
         self._backend = str(tdist.get_backend(pg)).lower()
         self._is_world = group is None or pg is tdist.group.WORLD
+        self._owns_world = owns_world and self._is_world
         super().__init__(
             tdist.get_rank(pg),
             tdist.get_world_size(pg),
@@ -122,11 +148,23 @@ class TorchCommunicator(BaseCommunicator):
             check_collectives=check_collectives,
         )
         self.native_avg = self._backend == "nccl"
+        #: Build reduce_scatter from all_reduce (gloo: faster; costs one copy of the input).
+        self.reduce_scatter_via_all_reduce = self._backend == "gloo"
+
+    def _wire_bytes(self, op: str, nbytes: int) -> tuple[int, int]:
+        if op == "reduce_scatter" and self.reduce_scatter_via_all_reduce:
+            return ring_bytes("all_reduce", nbytes * self.world_size, self.world_size)
+        return ring_bytes(op, nbytes, self.world_size)
 
     @property
     def backend(self) -> str:
         """``gloo`` or ``nccl``."""
         return self._backend
+
+    @property
+    def global_ranks(self) -> list[int]:
+        """Global rank of each rank of this communicator."""
+        return list(self._global_ranks)
 
     @property
     def process_group(self) -> tdist.ProcessGroup:
@@ -145,6 +183,13 @@ class TorchCommunicator(BaseCommunicator):
         return _call("all_reduce", tdist.all_reduce, buf, op=_TORCH_OPS[op], group=self._pg, async_op=True)
 
     def _raw_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp) -> RawWork:
+        if self.reduce_scatter_via_all_reduce:
+            # gloo's reduce-scatter is slower than its all-reduce at every size we
+            # measured (benchmarks/README.md): reduce a copy, keep our block.
+            full = inp.view(-1).clone()
+            lo = self.rank * out.numel()
+            inner = _call("reduce_scatter", tdist.all_reduce, full, op=_TORCH_OPS[op], group=self._pg, async_op=True)
+            return _ThenWork(inner, lambda: out.view(-1).copy_(full[lo : lo + out.numel()]))
         return _call(
             "reduce_scatter",
             _reduce_scatter_tensor,
@@ -206,9 +251,18 @@ class TorchCommunicator(BaseCommunicator):
             logger.debug("process group abort raised %s", exc)
 
     def _raw_close(self) -> None:
-        if self._is_world:
-            return  # torch's default group is owned by whoever called init_process_group
+        if self._is_world and not self._owns_world:
+            return  # torch's default group belongs to whoever called init_process_group
         try:
-            tdist.destroy_process_group(self._pg)
+            tdist.destroy_process_group(None if self._is_world else self._pg)
         except Exception as exc:  # noqa: BLE001
             logger.debug("destroy_process_group raised %s", exc)
+
+
+def as_torch_communicator(
+    group: Any, *, timeout: timedelta, check_collectives: bool = False
+) -> TorchCommunicator | None:
+    """Wrap a process group made with torch.distributed directly; ``None`` if ``group`` is not one."""
+    if not isinstance(group, tdist.ProcessGroup):
+        return None
+    return TorchCommunicator(group, timeout=timeout, check_collectives=check_collectives)

@@ -30,10 +30,9 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as _tdist
 
 from bindings import CommStats, Communicator, Handle, create_communicator
-from bindings.torch_backend import TorchCommunicator
+from bindings.torch_backend import TorchReduceOp, as_torch_communicator
 
 __all__ = [
     "ReduceOp",
@@ -72,7 +71,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 #: torch's own ``ReduceOp``, so ``dist.ReduceOp.SUM`` means the same in both modules.
-ReduceOp = _tdist.ReduceOp
+ReduceOp = TorchReduceOp
 
 
 class ProcessGroupStateError(RuntimeError, ValueError):
@@ -141,7 +140,6 @@ class _State:
         self.lock = threading.Lock()
         self.world: Group | None = None
         self.groups: list[Group] = []
-        self.owns_torch = False
         self.wrapped: dict[int, Group] = {}
 
 
@@ -207,8 +205,6 @@ def init_process_group(
         if backend is None:
             is_cuda = isinstance(device_id, torch.device) and device_id.type == "cuda"
             backend = "nccl" if is_cuda or isinstance(device_id, int) else "gloo"
-        if isinstance(backend, _tdist.Backend):
-            backend = str(backend)
         if not isinstance(backend, str):
             raise TypeError(f"backend: expected a str, got {type(backend).__name__}")
         for arg, value in (("world_size", world_size), ("rank", rank)):
@@ -218,7 +214,6 @@ def init_process_group(
             raise TypeError(f"timeout: expected a datetime.timedelta, got {type(timeout).__name__}")
         if init_method == "env://":
             init_method = None  # our environment detection covers env:// and more
-        torch_before = _tdist.is_initialized()
         comm = create_communicator(
             backend,
             rank=None if rank == -1 else rank,
@@ -228,7 +223,6 @@ def init_process_group(
             timeout=timeout,
             check_collectives=check_collectives,
         )
-        _state.owns_torch = not torch_before and _tdist.is_initialized()
         world = Group(comm, range(comm.world_size))
         _set_world(world)
         _state.groups = [world]
@@ -249,9 +243,6 @@ def destroy_process_group(group: Group | None = None) -> None:
             _state.groups = []
             _state.wrapped.clear()
             _set_world(None)
-            if _state.owns_torch and _tdist.is_initialized():
-                _tdist.destroy_process_group()
-            _state.owns_torch = False
             return
         if group is GroupMember.NON_GROUP_MEMBER:
             return
@@ -283,16 +274,17 @@ def _resolve(grp: Any) -> Group | None:
         return None
     if isinstance(grp, Group):
         return grp
-    if isinstance(grp, _tdist.ProcessGroup):
-        # A group made with torch.distributed directly: wrap it once.
-        key = id(grp)
-        if key not in _state.wrapped:
-            comm = TorchCommunicator(
-                grp,
-                timeout=world.communicator.timeout,
-                check_collectives=getattr(world.communicator, "check_collectives", False),
-            )
-            _state.wrapped[key] = Group(comm, _tdist.get_process_group_ranks(grp))
+    key = id(grp)
+    if key in _state.wrapped:
+        return _state.wrapped[key]
+    # A group made with torch.distributed directly: wrap it once.
+    comm = as_torch_communicator(
+        grp,
+        timeout=world.communicator.timeout,
+        check_collectives=getattr(world.communicator, "check_collectives", False),
+    )
+    if comm is not None:
+        _state.wrapped[key] = Group(comm, comm.global_ranks)
         return _state.wrapped[key]
     raise TypeError(f"group: expected a Group from new_group() or None, got {type(grp).__name__}")
 

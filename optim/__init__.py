@@ -1,0 +1,3 @@
+"""Optimizers, checkpointing and the training job built on sparsecomm."""
+
+from __future__ import annotations

@@ -1,0 +1,10 @@
+"""``python -m optim``: the ``sparsecomm`` command line (see :mod:`optim.cli`)."""
+
+from __future__ import annotations
+
+import sys
+
+from optim.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,351 @@
+"""A data-parallel training job over :mod:`sparsecomm.distributed`.
+
+Every rank holds the whole model (identical seeded initialisation, checked
+with a broadcast), draws its own batch of ``(seed, step, rank)``, and after the
+backward pass all-reduces one flat bucket of every gradient with
+``ReduceOp.AVG`` before a :class:`torch.optim.AdamW` step. The last element
+of the bucket carries the rank's loss, so one collective per step also yields
+the rank-averaged training loss.
+
+Entry points:
+
+* :func:`train_worker` runs the loop in one rank of an initialised group.
+* :func:`launch_local` spawns ``nproc`` local processes and returns rank 0's result.
+* :func:`run_training` runs as one rank when started by torchrun / mpirun /
+  srun, otherwise calls :func:`launch_local`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import sparsecomm.distributed as dist
+from bindings.launch import detect_launch
+from bindings.spawn import run_local
+from optim.data import DEFAULT_MAX_BYTES, VOCAB_SIZE, Corpus, load_corpus, sample_batch
+from optim.model import GPT, GPTConfig
+
+__all__ = [
+    "TrainConfig",
+    "OnStep",
+    "Worker",
+    "lr_at",
+    "train_worker",
+    "launch_local",
+    "run_training",
+]
+
+logger = logging.getLogger(__name__)
+
+OnStep = Callable[[dict[str, Any]], None]
+"""Per-step callback; receives the step record (plus ``val_loss`` on evaluation steps)."""
+Worker = Callable[["TrainConfig", int, int, "OnStep | None"], dict[str, Any]]
+"""Signature of :func:`train_worker` (``config, rank, world_size, on_step``)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Everything that determines a training run."""
+
+    steps: int = 300  # Optimizer steps.
+    nproc: int = 4  # Local processes to spawn (ignored when a launcher started the job).
+    backend: str = "gloo"  # ``gloo`` or ``mpi`` (``mpi`` needs mpirun).
+    lr: float = 3e-3  # Peak learning rate.
+    min_lr_ratio: float = 0.1  # Final learning rate of the cosine schedule, relative to ``lr``.
+    warmup_steps: int = 30  # Steps of linear warm-up.
+    weight_decay: float = 0.1  # AdamW weight decay.
+    grad_clip: float = 1.0  # Global gradient-norm clip (0 disables).
+    batch: int = 16  # Sequences per rank per step.
+    context: int = 64  # Tokens per sequence.
+    d_model: int = 128  # Model width.
+    n_layers: int = 2  # Transformer blocks.
+    n_heads: int = 4  # Attention heads.
+    seed: int = 0  # Seed of the initialisation and of the data order.
+    out: str = "runs/train"  # Output directory of ``report.json`` and ``report.png``.
+    data: str | None = None  # Text file to train on; ``None`` for the standard-library corpus.
+    max_corpus_bytes: int = DEFAULT_MAX_BYTES  # Size cap of the standard-library corpus.
+    val_fraction: float = 0.05  # Held-out tail of the text.
+    eval_interval: int = 50  # Steps between validation passes (0: only at step 0 and the end).
+    eval_batches: int = 4  # Validation batches per rank per pass.
+    threads: int = 1  # ``torch.set_num_threads`` in every rank.
+    comm_timeout_s: float = 120.0  # Deadline of every collective.
+    job_timeout_s: float = 900.0  # Deadline of the whole local job (spawn to last exit).
+
+    def __post_init__(self) -> None:
+        positive = ("steps", "nproc", "batch", "context", "d_model", "n_layers", "n_heads")
+        for name in positive + ("eval_batches", "threads", "max_corpus_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("warmup_steps", "eval_interval", "weight_decay", "grad_clip"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.backend not in ("gloo", "mpi"):
+            raise ValueError(f"backend must be 'gloo' or 'mpi', got {self.backend!r}")
+        if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"bad learning rate lr={self.lr} min_lr_ratio={self.min_lr_ratio}")
+        if self.comm_timeout_s <= 0 or self.job_timeout_s <= 0:
+            raise ValueError("timeouts must be positive")
+        self.model_config()  # validates the model shape
+
+    def model_config(self) -> GPTConfig:
+        """Return the model shape of this run."""
+        return GPTConfig(
+            vocab_size=VOCAB_SIZE,
+            context=self.context,
+            d_model=self.d_model,
+            n_layers=self.n_layers,
+            n_heads=self.n_heads,
+        )
+
+
+def lr_at(config: TrainConfig, step: int) -> float:
+    """Return the learning rate of 1-based ``step``: linear warm-up, then cosine decay."""
+    if config.warmup_steps and step <= config.warmup_steps:
+        return config.lr * step / config.warmup_steps
+    span = max(1, config.steps - config.warmup_steps)
+    progress = min(1.0, (step - config.warmup_steps) / span)
+    floor = config.lr * config.min_lr_ratio
+    return floor + 0.5 * (config.lr - floor) * (1.0 + math.cos(math.pi * progress))
+
+
+def _check_identical_init(model: GPT) -> None:
+    """Raise on every rank unless all ranks hold rank 0's parameters bit for bit."""
+    with torch.no_grad():
+        mine = torch.nn.utils.parameters_to_vector(model.parameters())
+        ref = mine.clone()
+        dist.broadcast(ref, src=0)
+        differ = torch.tensor([0.0 if torch.equal(ref, mine) else 1.0])
+        dist.all_reduce(differ, op=dist.ReduceOp.MAX)
+    if differ.item():
+        raise RuntimeError("model initialisation differs between ranks")
+
+
+def _evaluate(model: GPT, corpus: Corpus, config: TrainConfig, rank: int) -> float:
+    """Return the rank-averaged loss on this rank's fixed validation batches."""
+    model.eval()
+    total = 0.0
+    with torch.no_grad():
+        for i in range(config.eval_batches):
+            x, y = sample_batch(
+                corpus.val, batch_size=config.batch, context=config.context,
+                seed=config.seed, step=i, rank=rank, stream="val",
+            )
+            _, loss = model(x, y)
+            assert loss is not None
+            total += loss.item()
+    model.train()
+    val = torch.tensor([total / config.eval_batches])
+    dist.all_reduce(val, op=dist.ReduceOp.AVG)
+    return float(val.item())
+
+
+def train_worker(
+    config: TrainConfig, rank: int, world_size: int, on_step: OnStep | None = None
+) -> dict[str, Any]:
+    """Run the training loop as one rank of an initialised default group.
+
+    Collective: every rank of the group must call this with the same config.
+
+    Args:
+        config: The run.
+        rank: This rank (must equal ``sparsecomm.distributed.get_rank()``).
+        world_size: Ranks in the group.
+        on_step: Called after every step with the step record.
+
+    Returns:
+        ``steps`` (per-step records: ``step``, ``lr``, ``train_loss``,
+        ``grad_norm``, ``step_time_s``, ``comm_time_s``, ``bytes_sent``,
+        ``bytes_received``), ``evals`` (``step``, ``val_loss``), ``model``,
+        ``num_parameters``, ``bucket_bytes``, ``corpus``, ``comm_stats``
+        and ``train_time_s``.
+
+    Raises:
+        RuntimeError: The ranks disagree on the model or the loss is not finite.
+    """
+    if dist.get_rank() != rank or dist.get_world_size() != world_size:
+        raise RuntimeError(
+            f"rank/world_size {rank}/{world_size} differ from the process group's "
+            f"{dist.get_rank()}/{dist.get_world_size()}"
+        )
+    torch.set_num_threads(config.threads)
+    corpus = load_corpus(
+        config.data, val_fraction=config.val_fraction, max_bytes=config.max_corpus_bytes,
+        min_bytes=config.context + 2,
+    )
+    if corpus.val.numel() <= config.context:
+        raise ValueError(f"validation split of {corpus.val.numel()} bytes is below the context")
+    torch.manual_seed(config.seed)
+    model = GPT(config.model_config())
+    _check_identical_init(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": config.weight_decay},
+         {"params": no_decay, "weight_decay": 0.0}],
+        lr=config.lr, betas=(0.9, 0.95),
+    )
+    numel = sum(p.numel() for p in params)
+    bucket = torch.zeros(numel + 1, dtype=torch.float32)  # grads, then the loss
+    stats = dist.get_stats()
+    records: list[dict[str, Any]] = []
+    evals = [{"step": 0, "val_loss": _evaluate(model, corpus, config, rank)}]
+    logger.info("rank %d: %d parameters, %s", rank, numel, corpus.name)
+    t_train = time.perf_counter()
+    for step in range(1, config.steps + 1):
+        sent0, recv0 = stats.bytes_sent, stats.bytes_received
+        t0 = time.perf_counter()
+        lr = lr_at(config, step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        x, y = sample_batch(
+            corpus.train, batch_size=config.batch, context=config.context,
+            seed=config.seed, step=step, rank=rank,
+        )
+        optimizer.zero_grad(set_to_none=True)
+        _, loss = model(x, y)
+        assert loss is not None
+        loss.backward()
+        offset = 0
+        for p in params:
+            n = p.numel()
+            bucket[offset : offset + n].copy_(p.grad.reshape(-1))  # type: ignore[union-attr]
+            offset += n
+        bucket[numel] = loss.detach()
+        t_comm = time.perf_counter()
+        dist.all_reduce(bucket, op=dist.ReduceOp.AVG)
+        comm_time = time.perf_counter() - t_comm
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.grad.copy_(bucket[offset : offset + n].view_as(p))  # type: ignore[union-attr]
+            offset += n
+        train_loss = float(bucket[numel].item())
+        if not math.isfinite(train_loss):
+            raise RuntimeError(f"step {step}: training loss is {train_loss}")
+        grad_norm = (
+            float(torch.nn.utils.clip_grad_norm_(params, config.grad_clip))
+            if config.grad_clip > 0 else float(bucket[:numel].norm())
+        )
+        optimizer.step()
+        record = {
+            "step": step,
+            "lr": lr,
+            "train_loss": train_loss,
+            "grad_norm": grad_norm,
+            "step_time_s": time.perf_counter() - t0,
+            "comm_time_s": comm_time,
+            "bytes_sent": stats.bytes_sent - sent0,
+            "bytes_received": stats.bytes_received - recv0,
+        }
+        records.append(record)
+        event = dict(record)
+        if step == config.steps or (config.eval_interval and step % config.eval_interval == 0):
+            evals.append({"step": step, "val_loss": _evaluate(model, corpus, config, rank)})
+            event["val_loss"] = evals[-1]["val_loss"]
+        if on_step is not None:
+            on_step(event)
+    return {
+        "steps": records,
+        "evals": evals,
+        "model": config.model_config().as_dict(),
+        "num_parameters": numel,
+        "bucket_bytes": bucket.numel() * bucket.element_size(),
+        "corpus": corpus.describe(),
+        "comm_stats": stats.as_dict(),
+        "train_time_s": time.perf_counter() - t_train,
+    }
+
+
+def _rank_main(
+    rank: int, world_size: int, worker: Worker, config: TrainConfig, on_step: OnStep | None
+) -> dict[str, Any] | None:
+    """Body of one spawned rank: join the group from the launcher's environment, train."""
+    torch.set_num_threads(config.threads)
+    dist.init_process_group(config.backend, timeout=timedelta(seconds=config.comm_timeout_s))
+    try:
+        out = worker(config, rank, world_size, on_step if rank == 0 else None)
+    finally:
+        dist.destroy_process_group()
+    return out if rank == 0 else None
+
+
+def launch_local(
+    config: TrainConfig, *, on_step: OnStep | None = None, worker: Worker = train_worker
+) -> dict[str, Any]:
+    """Run ``worker`` in ``config.nproc`` spawned local processes over gloo.
+
+    The whole job has the deadline ``config.job_timeout_s``; when a rank
+    fails or dies, the others are killed (:func:`bindings.spawn.run_local`).
+
+    Args:
+        config: The run.
+        on_step: Passed to rank 0's worker; must be picklable.
+        worker: Module-level function with :func:`train_worker`'s signature.
+
+    Returns:
+        Rank 0's result.
+
+    Raises:
+        LocalRunError: A rank raised (its traceback is in the message), died,
+            or the job ran past its deadline.
+        ValueError: ``config.backend`` is ``mpi`` (start it with mpirun instead).
+    """
+    if config.backend == "mpi":
+        raise ValueError(
+            f"backend 'mpi' cannot be spawned locally; run "
+            f"'mpirun -n {config.nproc} sparsecomm train --backend mpi'"
+        )
+    results = run_local(
+        _rank_main, config.nproc, worker, config, on_step, timeout=config.job_timeout_s
+    )
+    return results[0]
+
+
+def run_training(config: TrainConfig, *, on_step: OnStep | None = None) -> dict[str, Any] | None:
+    """Train as the launched rank, or spawn ``config.nproc`` local ranks.
+
+    Started by torchrun / mpirun / srun, this process runs as its rank (and
+    ``config.nproc`` is ignored); otherwise :func:`launch_local` spawns the ranks.
+
+    Args:
+        config: The run.
+        on_step: Rank 0's per-step callback (picklable when spawning).
+
+    Returns:
+        On rank 0, :func:`train_worker`'s result plus ``world_size``,
+        ``launcher`` (``local`` or the launcher's name) and ``wall_time_s``
+        (start to last result); ``None`` on the other ranks.
+    """
+    t0 = time.perf_counter()
+    info = detect_launch()
+    if info is None:
+        if config.data is not None and not Path(config.data).is_file():
+            raise FileNotFoundError(f"data file not found: {config.data}")
+        result = launch_local(config, on_step=on_step)
+        world_size, launcher = config.nproc, "local"
+    else:
+        if info.world_size != config.nproc:
+            logger.info("launched by %s with %d ranks; nproc=%d ignored",
+                        info.launcher, info.world_size, config.nproc)
+        dist.init_process_group(config.backend, timeout=timedelta(seconds=config.comm_timeout_s))
+        try:
+            result = train_worker(config, dist.get_rank(), dist.get_world_size(),
+                                  on_step if dist.get_rank() == 0 else None)
+            rank, world_size = dist.get_rank(), dist.get_world_size()
+        finally:
+            dist.destroy_process_group()
+        if rank != 0:
+            return None
+        launcher = info.launcher
+    return {**result, "world_size": world_size, "launcher": launcher,
+            "wall_time_s": time.perf_counter() - t0}
