@@ -26,6 +26,7 @@ import torch
 
 import sparsecomm
 from bindings.spawn import LocalRunError
+from optim.bench_cli import add_bench_parser
 from optim.train import TrainConfig, run_training
 
 __all__ = [
@@ -277,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="more log output (-v: info, -vv: debug)")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_train_parser(subparsers)
-    # More subcommands (e.g. bench) register here, each with its own _add_*_parser.
+    add_bench_parser(subparsers)
     return parser
 
 
