@@ -8,7 +8,7 @@ or ``cupy-nccl`` (cupy.cuda.nccl). Create one with :func:`create_communicator`.
 from __future__ import annotations
 
 from bindings.base import Communicator, RawWork, Work
-from bindings.communicator import BaseCommunicator, DoneWork, Handle
+from bindings.communicator import BaseCommunicator, ChainedWork, DoneWork, Handle
 from bindings.errors import (
     CollectiveMismatchError,
     CommAbortedError,
@@ -24,6 +24,7 @@ from bindings.stats import CommStats, OpStats, ring_bytes
 __all__ = [
     "BACKENDS",
     "BaseCommunicator",
+    "ChainedWork",
     "CollectiveMismatchError",
     "CommAbortedError",
     "CommError",

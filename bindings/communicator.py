@@ -22,12 +22,12 @@ from typing import Any
 
 import torch
 
-from bindings.base import RawWork
+from bindings.base import RawWork, Work
 from bindings.errors import CollectiveMismatchError, CommAbortedError, CommTimeoutError
 from bindings.ops import SUPPORTED_DTYPES, ReduceOp, parse_reduce_op
 from bindings.stats import CommStats, ring_bytes
 
-__all__ = ["BaseCommunicator", "Handle", "DoneWork"]
+__all__ = ["BaseCommunicator", "Handle", "DoneWork", "ChainedWork"]
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +114,31 @@ class Handle:
             raise RuntimeError(f"{self._op_name}: source_rank() is only defined for recv")
         self.wait()
         return self._source()
+
+
+class ChainedWork:
+    """A :class:`~bindings.base.Work` that runs ``finish`` once after ``inner`` completed.
+
+    Layers above the transport (list-form all_gather, sparse collectives)
+    use it to unpack results when the user waits.
+    """
+
+    def __init__(self, inner: Work, finish: Callable[[], None]) -> None:
+        self._inner = inner
+        self._finish = finish
+        self._done = False
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Wait for the inner work, then run ``finish`` (once)."""
+        self._inner.wait(timeout)
+        if not self._done:
+            self._finish()
+            self._done = True
+        return True
+
+    def is_completed(self) -> bool:
+        """Return whether the inner work completed."""
+        return self._done or self._inner.is_completed()
 
 
 def _check_tensor(name: str, t: Any) -> torch.Tensor:

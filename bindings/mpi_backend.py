@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -91,6 +92,64 @@ def cuda_aware() -> bool:
             flag = ctypes.c_int(0)
             return mpich(0, ctypes.byref(flag)) == 0 and bool(flag.value)  # 0: MPIX_GPU_SUPPORT_CUDA
     return os.environ.get("OMPI_MCA_opal_cuda_support", "").lower() in ("1", "true", "yes")
+
+
+class _NbcAllreduceTuning:
+    """Make Open MPI's non-blocking all_reduce as fast as its blocking one.
+
+    libnbc runs every in-place ``Iallreduce`` (and every one on < 4 ranks) as
+    a binomial reduce + broadcast: 1.2x (4 ranks) to 2.1x (2 ranks) the time
+    of the blocking ``Allreduce`` at 16 MB. Its reduce-scatter/all-gather
+    (Rabenseifner) algorithm matches the blocking one, so around each large
+    post we set the MPI_T control variable ``coll_libnbc_iallreduce_algorithm``
+    to 3 and back to 0. The choice depends only on (count, size, ranks), so
+    every rank picks the same schedule. Inactive unless that variable exists
+    and is 0 (the user did not choose an algorithm).
+    """
+
+    MIN_BYTES = 1 << 16  # libnbc's own binomial / Rabenseifner threshold
+
+    def __init__(self, MPI: Any) -> None:
+        self._write: Callable[[int], int] | None = None
+        try:
+            lib = ctypes.CDLL(MPI.__file__)
+            provided, idx, count = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+            handle, value = ctypes.c_void_p(), ctypes.c_int(-1)
+            ok = (
+                lib.MPI_T_init_thread(MPI.Query_thread(), ctypes.byref(provided)) == 0
+                and lib.MPI_T_cvar_get_index(
+                    b"coll_libnbc_iallreduce_algorithm", ctypes.byref(idx)
+                ) == 0
+                and lib.MPI_T_cvar_handle_alloc(
+                    idx, None, ctypes.byref(handle), ctypes.byref(count)
+                ) == 0
+                and lib.MPI_T_cvar_read(handle, ctypes.byref(value)) == 0
+            )
+        except (OSError, AttributeError):  # not Open MPI, or no MPI_T
+            return
+        if ok and value.value == 0:
+            self._write = lambda v: lib.MPI_T_cvar_write(handle, ctypes.byref(ctypes.c_int(v)))
+
+    def algorithm(self, count: int, itemsize: int, world_size: int) -> int:
+        """Return the libnbc algorithm to use (0: libnbc's default choice)."""
+        if self._write is None or count * itemsize < self.MIN_BYTES:
+            return 0
+        return 3 if count >= 1 << (world_size.bit_length() - 1) else 0
+
+    def post(self, alg: int, fn: Callable[..., Any], *args: Any) -> Any:
+        """Call ``fn(*args)`` (an ``Iallreduce``) with libnbc algorithm ``alg``."""
+        with _POST_LOCK:  # no other post of ours between the two writes
+            if alg == 0 or self._write is None:
+                return fn(*args)
+            self._write(alg)
+            try:
+                return fn(*args)
+            finally:
+                self._write(0)
+
+
+_POST_LOCK = threading.Lock()
+_NBC: _NbcAllreduceTuning | None = None
 
 
 def _translate(MPI: Any, op_name: str, exc: BaseException) -> CommError:
@@ -248,6 +307,11 @@ class MPICommunicator(BaseCommunicator):
         self._MPI = MPI
         self._comm = comm
         self._cuda_aware: bool | None = None  # detected on first CUDA tensor
+        global _NBC
+        with _POST_LOCK:
+            if _NBC is None:
+                _NBC = _NbcAllreduceTuning(MPI)
+        self._nbc = _NBC
         tag_ub = comm.Get_attr(MPI.TAG_UB)
         self._tag_ub = int(tag_ub) if tag_ub is not None else 32767
         self._types = {
@@ -334,8 +398,11 @@ class MPICommunicator(BaseCommunicator):
     def _raw_all_reduce(self, buf: torch.Tensor, op: ReduceOp) -> RawWork:
         msg, finish = self._buffer(buf, reduce=True, output=True)
         mop = self._reduce_op(op, buf.dtype)
+        itemsize = 4 if buf.dtype in _HALF else buf.element_size()
+        alg = self._nbc.algorithm(buf.numel(), itemsize, self.world_size)
         return self._post(
-            "all_reduce", self._comm.Iallreduce, self._MPI.IN_PLACE, msg, mop, finish=finish
+            "all_reduce", self._nbc.post, alg, self._comm.Iallreduce, self._MPI.IN_PLACE, msg, mop,
+            finish=finish,
         )
 
     def _raw_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp) -> RawWork:

@@ -19,7 +19,9 @@ barrier                   0                     0
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 __all__ = ["OpStats", "CommStats", "ring_bytes"]
@@ -72,9 +74,28 @@ class CommStats:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._ops: dict[str, OpStats] = {}
+        self._local = threading.local()
+
+    @contextlib.contextmanager
+    def scope(self, name: str) -> Iterator[None]:
+        """Count every call made in this thread inside the block under ``name``.
+
+        A sparse collective runs dense ones underneath; its bytes are then
+        counted once, under the sparse operation's name. Scopes nest: the
+        outermost wins.
+        """
+        outer = getattr(self._local, "name", None)
+        if outer is None:
+            self._local.name = name
+        try:
+            yield
+        finally:
+            if outer is None:
+                self._local.name = None
 
     def record(self, op: str, sent: int, received: int) -> None:
-        """Add one call of ``op`` that moved ``sent`` / ``received`` bytes."""
+        """Add one call of ``op`` (or of the enclosing :meth:`scope`) that moved these bytes."""
+        op = getattr(self._local, "name", None) or op
         with self._lock:
             entry = self._ops.setdefault(op, OpStats())
             entry.calls += 1

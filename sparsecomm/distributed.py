@@ -31,8 +31,10 @@ from typing import Any
 
 import torch
 
-from bindings import CommStats, Communicator, Handle, create_communicator
+from bindings import ChainedWork, CommStats, Communicator, Handle, create_communicator
 from bindings.torch_backend import TorchReduceOp, as_torch_communicator
+from sparsecomm import collectives as _sparse
+from sparsecomm.mask import ShardedMask
 
 __all__ = [
     "ReduceOp",
@@ -66,6 +68,10 @@ __all__ = [
     "irecv",
     "get_communicator",
     "get_stats",
+    "ShardedMask",
+    "sparse_reduce_scatter",
+    "sparse_all_gather",
+    "sparse_all_reduce",
 ]
 
 logger = logging.getLogger(__name__)
@@ -428,31 +434,11 @@ def _group_peer(g: Group, name: str, rank: int | None, group_name: str, group_ra
         raise ValueError(f"{name}: global rank {rank} is not part of the group") from None
 
 
-class _PostWork:
-    """A work handle that runs ``finish`` once after the inner handle completed."""
-
-    def __init__(self, inner: Handle, finish: Callable[[], None], result: Callable[[], Any] | None = None) -> None:
-        self._inner = inner
-        self._finish = finish
-        self._result = result
-        self._done = False
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        self._inner.wait(timeout)
-        if not self._done:
-            self._finish()
-            self._done = True
-        return True
-
-    def is_completed(self) -> bool:
-        return self._done or self._inner.is_completed()
-
-
 def _finish_or_wait(work: Handle | None, finish: Callable[[], None], async_op: bool) -> Any:
     if work is None:  # the communicator already waited
         finish()
         return None
-    post = _PostWork(work, finish)
+    post = ChainedWork(work, finish)
     if async_op:
         return post
     post.wait()
@@ -666,3 +652,71 @@ def recv(tensor: torch.Tensor, src: int | None = None, group: Group | None = Non
     assert isinstance(source, int)
     return g.global_ranks[source]
 
+
+
+# ---------------------------------------------------------------------------- sparse collectives
+def sparse_reduce_scatter(
+    input: torch.Tensor,
+    mask: ShardedMask,
+    op: Any = "sum",
+    group: Group | None = None,
+    async_op: bool = False,
+    *,
+    output: torch.Tensor | None = None,
+    verify_mask: bool = True,
+) -> Any:
+    """Reduce ``input`` at ``mask``; return this rank's ``k`` values (``(values, work)`` if async).
+
+    Collective: every rank of ``group`` must call this with the same mask.
+    See :func:`sparsecomm.collectives.sparse_reduce_scatter`.
+    """
+    g = _resolve(group)
+    if g is None:
+        return _not_member("sparse_reduce_scatter")
+    return _sparse.sparse_reduce_scatter(
+        g.communicator, input, mask, op, output=output, async_op=async_op, verify_mask=verify_mask
+    )
+
+
+def sparse_all_gather(
+    shard_values: torch.Tensor,
+    mask: ShardedMask,
+    output: torch.Tensor,
+    group: Group | None = None,
+    async_op: bool = False,
+    *,
+    verify_mask: bool = True,
+) -> Any:
+    """Gather every shard's ``k`` values into ``output`` at ``mask``.
+
+    Collective: every rank of ``group`` must call this with the same mask.
+    See :func:`sparsecomm.collectives.sparse_all_gather`.
+    """
+    g = _resolve(group)
+    if g is None:
+        return _not_member("sparse_all_gather")
+    return _sparse.sparse_all_gather(
+        g.communicator, shard_values, mask, output, async_op=async_op, verify_mask=verify_mask
+    )
+
+
+def sparse_all_reduce(
+    tensor: torch.Tensor,
+    mask: ShardedMask,
+    op: Any = "sum",
+    group: Group | None = None,
+    async_op: bool = False,
+    *,
+    verify_mask: bool = True,
+) -> Any:
+    """Reduce ``tensor`` in place at ``mask``; other positions untouched.
+
+    Collective: every rank of ``group`` must call this with the same mask.
+    See :func:`sparsecomm.collectives.sparse_all_reduce`.
+    """
+    g = _resolve(group)
+    if g is None:
+        return _not_member("sparse_all_reduce")
+    return _sparse.sparse_all_reduce(
+        g.communicator, tensor, mask, op, async_op=async_op, verify_mask=verify_mask
+    )

@@ -1,0 +1,202 @@
+"""Partitioned, delayed mask synchronization.
+
+Each rank owns one shard of the flat buffer and is the only rank that builds
+that shard's piece of the next mask, from a score tensor (top-k, ties broken
+by index). :meth:`MaskSchedule.propose` encodes the piece and starts an
+asynchronous all-gather of the encoded pieces; the assembled mask becomes the
+mask of step ``t + 1 + delay`` (``delay`` = D, default 1). With D = 1 the
+gather has a whole step of compute to finish, and :meth:`MaskSchedule.mask_for`
+waits only when the mask is first needed.
+
+Wire format: every piece is padded to the same number of bytes, so one plain
+all-gather carries them. The encoding is a pure function of (k, shard_size),
+hence the same on every rank: the smallest *guaranteed* size among
+
+* ``bitmap``: ceil(shard_size / 8) bytes;
+* ``int32``: 4k bytes;
+* ``delta-varint``: a 4-byte length, then LEB128 gaps, padded to the bound
+  k + ceil(k · log128(shard_size / k)) + 1 (Jensen's inequality on the gaps).
+
+So mask bytes never exceed the smaller of the bitmap and int32 sizes, and are
+about half the int32 size at densities near 1%.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from bindings import Communicator, Work
+from sparsecomm.mask import (
+    ShardedMask,
+    decode_piece,
+    encode_piece,
+    k_for,
+    shard_size_for,
+    topk_piece,
+)
+
+__all__ = ["MaskSchedule", "wire_encoding", "varint_bound"]
+
+logger = logging.getLogger(__name__)
+
+_LEN_BYTES = 4
+
+
+def varint_bound(k: int, shard_size: int) -> int:
+    """Upper bound on the delta-varint payload of any k sorted indices below shard_size."""
+    return k + math.ceil(k * math.log(max(shard_size / k, 1.0), 128)) + 1
+
+
+def wire_encoding(k: int, shard_size: int) -> tuple[str, int]:
+    """Return (encoding, bytes per piece on the wire) for pieces of k indices."""
+    sizes = {
+        "bitmap": -(-shard_size // 8),
+        "int32": 4 * k,
+        "delta-varint": _LEN_BYTES + varint_bound(k, shard_size),
+    }
+    if shard_size > 2**31 - 1:
+        del sizes["int32"]
+    order = ("bitmap", "int32", "delta-varint")
+    best = min(sizes, key=lambda name: (sizes[name], order.index(name)))
+    return best, sizes[best]
+
+
+def _to_wire(indices: torch.Tensor, shard_size: int, encoding: str, nbytes: int) -> torch.Tensor:
+    payload = encode_piece(indices, shard_size, encoding)
+    wire = torch.zeros(nbytes, dtype=torch.uint8)
+    if encoding == "delta-varint":
+        n = payload.numel()
+        wire[:_LEN_BYTES] = torch.tensor(list(n.to_bytes(_LEN_BYTES, "little")), dtype=torch.uint8)
+        wire[_LEN_BYTES : _LEN_BYTES + n] = payload
+    else:
+        wire[: payload.numel()] = payload
+    return wire
+
+
+def _from_wire(wire: torch.Tensor, shard_size: int, k: int, encoding: str) -> torch.Tensor:
+    if encoding == "delta-varint":
+        n = int.from_bytes(bytes(wire[:_LEN_BYTES].tolist()), "little")
+        if n > wire.numel() - _LEN_BYTES:
+            raise ValueError("mask piece: delta-varint length exceeds the piece")
+        return decode_piece(wire[_LEN_BYTES : _LEN_BYTES + n], shard_size, k, encoding)
+    return decode_piece(wire, shard_size, k, encoding)
+
+
+@dataclass
+class _InFlight:
+    made_at: int
+    gathered: torch.Tensor
+    work: Work
+
+
+class MaskSchedule:
+    """Holds the masks in flight and hands out the mask of each step.
+
+    Args:
+        comm: Communicator of the ranks that share the flat buffer.
+        numel: N, elements of the flat buffer.
+        density: Fraction of positions kept, in (0, 1].
+        delay: D: a mask made after step t is used at step t + 1 + D.
+
+    Example::
+
+        sched = MaskSchedule(comm, numel=n, density=0.01, delay=1)
+        for step in range(steps):
+            mask = sched.mask_for(step)          # None until the first mask arrives
+            ...                                  # sparse collectives with mask
+            sched.propose(step, my_shard_scores) # the mask of step + 2
+    """
+
+    def __init__(self, comm: Communicator, *, numel: int, density: float, delay: int = 1) -> None:
+        if isinstance(delay, bool) or not isinstance(delay, int) or delay < 0:
+            raise ValueError(f"delay: expected an int >= 0, got {delay!r}")
+        self._comm = comm
+        self.numel = numel
+        self.world_size = comm.world_size
+        self.k = k_for(numel, comm.world_size, density)
+        self.shard_size = shard_size_for(numel, comm.world_size)
+        self.density = density
+        self.delay = delay
+        self.encoding, self.piece_bytes = wire_encoding(self.k, self.shard_size)
+        self._in_flight: dict[int, _InFlight] = {}
+        self._ready: dict[int, ShardedMask] = {}
+
+    @property
+    def own_shard(self) -> tuple[int, int]:
+        """(start, stop) of this rank's shard within the N real elements."""
+        start = self._comm.rank * self.shard_size
+        return min(start, self.numel), min(start + self.shard_size, self.numel)
+
+    def target_step(self, made_at: int) -> int:
+        """Step that uses the mask made after ``made_at``."""
+        return made_at + 1 + self.delay
+
+    def propose(self, step: int, scores: torch.Tensor) -> int:
+        """Build this rank's piece from ``scores`` and start gathering the pieces.
+
+        Collective: every rank must call this for the same ``step``.
+
+        Args:
+            step: The step just finished.
+            scores: Scores of this rank's shard: as many elements as the shard
+                has real positions (``own_shard``), any float dtype and device.
+
+        Returns:
+            The step that will use the new mask.
+
+        Raises:
+            ValueError: Wrong number of scores, or a mask is already in flight for that step.
+        """
+        start, stop = self.own_shard
+        if not isinstance(scores, torch.Tensor) or not scores.is_floating_point():
+            raise TypeError("scores: expected a floating-point torch.Tensor")
+        if scores.numel() != stop - start:
+            raise ValueError(f"scores: expected {stop - start} values for this rank's shard, got {scores.numel()}")
+        target = self.target_step(step)
+        if target in self._in_flight or target in self._ready:
+            raise ValueError(f"step: a mask for step {target} is already scheduled")
+        piece = topk_piece(scores.detach().reshape(-1).cpu(), self.k, shard_size=self.shard_size)
+        wire = _to_wire(piece, self.shard_size, self.encoding, self.piece_bytes)
+        gathered = torch.empty(self.piece_bytes * self.world_size, dtype=torch.uint8)
+        with self._comm.stats.scope("mask_sync"):
+            work = self._comm.all_gather(gathered, wire, async_op=True)
+        assert work is not None
+        self._in_flight[target] = _InFlight(step, gathered, work)
+        return target
+
+    def install(self, step: int, mask: ShardedMask) -> None:
+        """Use ``mask`` at ``step`` (e.g. a dense or restored mask); every rank must pass the same."""
+        if mask.numel != self.numel or mask.world_size != self.world_size:
+            raise ValueError("mask: built for another numel or world size")
+        self._ready[step] = mask
+
+    def mask_for(self, step: int) -> ShardedMask | None:
+        """Return the mask of ``step``, waiting for its all-gather if it is still in flight.
+
+        Returns ``None`` when no mask was made for ``step`` (warm-up). Masks of
+        earlier steps are dropped.
+        """
+        for old in [s for s in self._ready if s < step]:
+            del self._ready[old]
+        if step in self._ready:
+            return self._ready[step]
+        pending = self._in_flight.pop(step, None)
+        if pending is None:
+            return None
+        pending.work.wait()
+        rows = pending.gathered.view(self.world_size, self.piece_bytes)
+        pieces = [_from_wire(rows[r], self.shard_size, self.k, self.encoding) for r in range(self.world_size)]
+        mask = ShardedMask.from_pieces(pieces, self.numel, self.world_size)
+        mask.global_indices()  # build the index tensors once, now
+        self._ready[step] = mask
+        logger.debug("mask for step %d (made after step %d) ready", step, pending.made_at)
+        return mask
+
+    @property
+    def pending_steps(self) -> list[int]:
+        """Steps whose masks are still being gathered."""
+        return sorted(self._in_flight)
