@@ -196,6 +196,24 @@ class MaskSchedule:
         logger.debug("mask for step %d (made after step %d) ready", step, pending.made_at)
         return mask
 
+    def close(self) -> None:
+        """Finish every gather still in flight and drop them.
+
+        Collective: every rank must call this. A transport may still be
+        writing into the buffers of an unfinished gather, so a schedule that
+        is thrown away must be closed first (``with MaskSchedule(...)`` does it).
+        """
+        pending, self._in_flight = self._in_flight, {}
+        for entry in pending.values():
+            entry.work.wait()
+        self._ready.clear()
+
+    def __enter__(self) -> MaskSchedule:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     @property
     def pending_steps(self) -> list[int]:
         """Steps whose masks are still being gathered."""

@@ -174,19 +174,25 @@ def case_mask_provenance(rank: int, ws: int) -> int:
     checks = 0
     for delay in (0, 1, 2):
         for density in (0.3, 0.01):
-            sched = MaskSchedule(comm, numel=n, density=density, delay=delay)
-            for step in range(6):
-                mask = sched.mask_for(step)
-                made = step - 1 - delay
-                if made < 0:
-                    assert mask is None, (step, delay)
-                else:
-                    size = shard_size_for(n, ws)
-                    pieces = [topk_piece(_scores(made, r, ws, n), sched.k, shard_size=size) for r in range(ws)]
-                    assert mask == ShardedMask.from_pieces(pieces, n, ws), (step, delay)
-                    checks += 1
-                sched.propose(step, _scores(step, rank, ws, n))
-                assert sched.pending_steps[-1] == step + 1 + delay
+            with MaskSchedule(comm, numel=n, density=density, delay=delay) as sched:
+                checks += _provenance_steps(sched, rank, ws, n, delay)
+    return checks
+
+
+def _provenance_steps(sched: MaskSchedule, rank: int, ws: int, n: int, delay: int) -> int:
+    checks = 0
+    for step in range(6):
+        mask = sched.mask_for(step)
+        made = step - 1 - delay
+        if made < 0:
+            assert mask is None, (step, delay)
+        else:
+            size = shard_size_for(n, ws)
+            pieces = [topk_piece(_scores(made, r, ws, n), sched.k, shard_size=size) for r in range(ws)]
+            assert mask == ShardedMask.from_pieces(pieces, n, ws), (step, delay)
+            checks += 1
+        sched.propose(step, _scores(step, rank, ws, n))
+        assert sched.pending_steps[-1] == step + 1 + delay
     return checks
 
 
