@@ -9,7 +9,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= mpi,dev
-STAMP := $(VENV)/.sparsecomm-installed
+comma := ,
+STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 PYTEST_ARGS ?=
 
 .PHONY: train test setup bench gpu-check lint clean
@@ -24,6 +25,14 @@ setup: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/sparsecomm bench collectives --backend gloo,mpi --nproc 4 --json runs/bench/collectives.json
+
+# On a machine with one or more GPUs: the GPU test tier and the pack/unpack
+# kernel benchmark (fp32, bf16), in a few minutes.
+gpu-check:
+	$(MAKE) setup EXTRAS=mpi,dev,cuda
+	$(BIN)/python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name())"
+	$(BIN)/python -m pytest tests/gpu -v -rs
+	$(BIN)/sparsecomm bench pack --device cuda --json runs/gpu/pack.json
 
 lint: $(STAMP)
 	$(BIN)/ruff check bindings sparsecomm resilient_comm optim tests

@@ -38,6 +38,7 @@ import torch
 import sparsecomm.distributed as dist
 from bindings.reference import raw_collectives
 from bindings.spawn import mpirun_python, run_local
+from sparsecomm.bench_sparse import bench_sparse_rank
 
 __all__ = [
     "CollectivesBenchConfig",
@@ -85,6 +86,16 @@ class CollectivesBenchConfig:
     """Timed calls per size and implementation (nccl-tests ``-n``)."""
     check_collectives: bool = False
     """Run our layer with the cross-rank metadata check on."""
+    dense: bool = True
+    """Run the dense sweep (ours vs the raw transport)."""
+    sparse: bool = False
+    """Add the sparse rows (:mod:`sparsecomm.bench_sparse`)."""
+    sparse_numels: tuple[int, ...] = (1 << 24,)
+    """Buffer sizes N (elements) of the sparse rows."""
+    densities: tuple[float, ...] = (1.0, 0.1, 0.01, 0.001)
+    """Densities of the sparse rows; 1 is the dense baseline."""
+    sparse_dtypes: tuple[str, ...] = ("float32", "bfloat16")
+    """Value types of the sparse rows."""
     timeout_s: float = 1800.0
     """Deadline of each backend's whole job."""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -94,7 +105,7 @@ class CollectivesBenchConfig:
         unknown = [o for o in self.ops if o not in OPS]
         if unknown:
             raise ValueError(f"ops: unknown {unknown}; expected some of {list(OPS)}")
-        bad = [d for d in self.dtypes if d not in _DTYPES]
+        bad = [d for d in self.dtypes + self.sparse_dtypes if d not in _DTYPES]
         if bad:
             raise ValueError(f"dtypes: unknown {bad}; expected some of {list(_DTYPES)}")
         for b in self.backends:
@@ -104,6 +115,10 @@ class CollectivesBenchConfig:
             raise ValueError("nproc and iters must be >= 1 and warmup >= 0")
         if not 0 < self.min_bytes <= self.max_bytes or self.factor < 2:
             raise ValueError("need 0 < min_bytes <= max_bytes and factor >= 2")
+        if any(not 0 < d <= 1 for d in self.densities) or any(n < 1 for n in self.sparse_numels):
+            raise ValueError("densities must lie in (0, 1] and sparse_numels be >= 1")
+        if not (self.dense or self.sparse):
+            raise ValueError("nothing to run: enable dense or sparse rows")
 
 
 def size_sweep(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
@@ -196,6 +211,7 @@ def bench_collectives_rank(config: CollectivesBenchConfig) -> list[dict[str, Any
                     algbw = full_bytes / t / 1e9 if t > 0 else 0.0
                     rows.append(
                         {
+                            "kind": "dense",
                             "op": op,
                             "backend": comm.backend,
                             "impl": name,
@@ -219,6 +235,19 @@ def bench_collectives_rank(config: CollectivesBenchConfig) -> list[dict[str, Any
     return rows
 
 
+def _rank_rows(config: CollectivesBenchConfig) -> list[dict[str, Any]]:
+    rows = bench_collectives_rank(config) if config.dense else []
+    if config.sparse:
+        rows += bench_sparse_rank(
+            numels=config.sparse_numels,
+            densities=config.densities,
+            dtypes=config.sparse_dtypes,
+            iters=config.iters,
+            warmup=config.warmup,
+        )
+    return rows
+
+
 def _gloo_rank(rank: int, world_size: int, config: CollectivesBenchConfig) -> list[dict[str, Any]]:
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -227,7 +256,7 @@ def _gloo_rank(rank: int, world_size: int, config: CollectivesBenchConfig) -> li
         check_collectives=config.check_collectives,
     )
     try:
-        return bench_collectives_rank(config)
+        return _rank_rows(config)
     finally:
         dist.destroy_process_group()
 
@@ -267,14 +296,15 @@ def _mpi_main(argv: Sequence[str]) -> None:
         raw = json.load(f)
     raw["backends"] = tuple(raw["backends"])
     raw["ops"] = tuple(raw["ops"])
-    raw["dtypes"] = tuple(raw["dtypes"])
+    for key in ("dtypes", "sparse_numels", "densities", "sparse_dtypes"):
+        raw[key] = tuple(raw[key])
     config = CollectivesBenchConfig(**raw)
     torch.set_num_threads(1)
     dist.init_process_group(
         "mpi", timeout=timedelta(seconds=config.timeout_s), check_collectives=config.check_collectives
     )
     try:
-        rows = bench_collectives_rank(config)
+        rows = _rank_rows(config)
         if dist.get_rank() == 0:
             with open(out_path, "w") as f:
                 json.dump(rows, f)

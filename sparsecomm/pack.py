@@ -32,6 +32,9 @@ __all__ = [
     "PackPlan",
     "TorchKernel",
     "NumbaKernel",
+    "NumbaCudaKernel",
+    "candidates",
+    "time_kernel",
     "KERNEL_ENV",
     "kernel_for",
     "pack_plan",
@@ -92,16 +95,70 @@ class NumbaKernel:
 
         self._gather = gather
         self._scatter = scatter
+        self._numba = numba
+
+    def _threads(self) -> None:
+        # Stay within the process's torch thread budget: several ranks on one
+        # machine each spinning a full numba pool starve one another.
+        self._numba.set_num_threads(max(1, min(torch.get_num_threads(), self._numba.config.NUMBA_NUM_THREADS)))
 
     @staticmethod
     def _np(t: torch.Tensor) -> Any:
         return t.view(_INT_OF_WIDTH[t.element_size()]).numpy()
 
     def pack(self, src: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> None:
+        self._threads()
         self._gather(self._np(src), idx.numpy(), self._np(out))
 
     def unpack(self, packed: torch.Tensor, idx: torch.Tensor, dst: torch.Tensor) -> None:
+        self._threads()
         self._scatter(self._np(packed), idx.numpy(), self._np(dst))
+
+
+class NumbaCudaKernel:
+    """A numba-cuda gather/scatter on torch's current CUDA stream."""
+
+    name = "numba-cuda"
+
+    def __init__(self) -> None:
+        from numba import cuda
+
+        if not cuda.is_available():
+            raise ImportError("numba-cuda: no CUDA device")
+
+        @cuda.jit
+        def gather(src: Any, idx: Any, out: Any) -> None:  # pragma: no cover - GPU
+            j = cuda.grid(1)
+            if j < idx.shape[0]:
+                out[j] = src[idx[j]]
+
+        @cuda.jit
+        def scatter(packed: Any, idx: Any, dst: Any) -> None:  # pragma: no cover - GPU
+            j = cuda.grid(1)
+            if j < idx.shape[0]:
+                dst[idx[j]] = packed[j]
+
+        self._cuda = cuda
+        self._gather = gather
+        self._scatter = scatter
+
+    def _launch(self, kernel: Any, a: torch.Tensor, idx: torch.Tensor, b: torch.Tensor) -> None:
+        n = idx.numel()
+        if n == 0:
+            return
+        cuda = self._cuda
+        stream = cuda.external_stream(torch.cuda.current_stream(a.device).cuda_stream)
+        threads = 256
+        width = _INT_OF_WIDTH[a.element_size()]
+        kernel[(n + threads - 1) // threads, threads, stream](
+            cuda.as_cuda_array(a.view(width)), cuda.as_cuda_array(idx), cuda.as_cuda_array(b.view(width))
+        )
+
+    def pack(self, src: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> None:
+        self._launch(self._gather, src, idx, out)
+
+    def unpack(self, packed: torch.Tensor, idx: torch.Tensor, dst: torch.Tensor) -> None:
+        self._launch(self._scatter, packed, idx, dst)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -145,32 +202,42 @@ _lock = threading.Lock()
 _chosen: dict[tuple[str, int], PackKernel] = {}
 
 
-def _candidates(device: torch.device) -> list[PackKernel]:
+def candidates(device: torch.device) -> list[PackKernel]:
+    """Return the pack kernels that can run on ``device`` (torch first)."""
     kernels: list[PackKernel] = [TorchKernel()]
-    if device.type == "cpu":
+    extra: type[Any] = NumbaKernel if device.type == "cpu" else NumbaCudaKernel
+    if device.type in ("cpu", "cuda"):
         try:
-            kernels.append(NumbaKernel())
-        except ImportError:
-            logger.debug("numba not installed: pack kernel is torch")
+            kernels.append(extra())
+        except ImportError as exc:
+            logger.debug("%s unavailable (%s): pack kernel is torch", extra.name, exc)
     return kernels
 
 
-def _time(kernel: PackKernel, device: torch.device, dtype: torch.dtype) -> float:
-    n, k = 1 << 22, 1 << 16  # a 16 MB fp32 bucket at density ~1.5%
+def time_kernel(kernel: PackKernel, device: torch.device, dtype: torch.dtype, *, n: int = 1 << 22, k: int = 1 << 16, reps: int = 5) -> tuple[float, float]:
+    """Best-of-``reps`` (pack, unpack) seconds of ``kernel`` on ``k`` of ``n`` elements."""
     src = torch.zeros(n, dtype=dtype, device=device)
     idx = torch.randperm(n, device=device)[:k].sort().values
     out = torch.empty(k, dtype=dtype, device=device)
     kernel.pack(src, idx, out)  # compile / warm up
     kernel.unpack(out, idx, src)
-    best = float("inf")
-    for _ in range(5):
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
+    sync(device)
+    best_p = best_u = float("inf")
+    for _ in range(reps):
         t0 = time.perf_counter()
         kernel.pack(src, idx, out)
+        sync(device)
+        t1 = time.perf_counter()
         kernel.unpack(out, idx, src)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - t0)
-    return best
+        sync(device)
+        t2 = time.perf_counter()
+        best_p, best_u = min(best_p, t1 - t0), min(best_u, t2 - t1)
+    return best_p, best_u
+
+
+def _time(kernel: PackKernel, device: torch.device, dtype: torch.dtype) -> float:
+    return sum(time_kernel(kernel, device, dtype))
 
 
 def kernel_for(device: torch.device, dtype: torch.dtype) -> PackKernel:
@@ -180,7 +247,7 @@ def kernel_for(device: torch.device, dtype: torch.dtype) -> PackKernel:
     with _lock:
         if key in _chosen:
             return _chosen[key]
-        kernels = _candidates(device)
+        kernels = candidates(device)
         if forced:
             named = [k for k in kernels if k.name == forced]
             if not named:
