@@ -1,19 +1,23 @@
 """``mpi`` transport over mpi4py (Open MPI or MPICH).
 
-CPU tensors travel as zero-copy numpy views. CUDA tensors go through
-``__cuda_array_interface__`` when MPI is CUDA-aware (after synchronizing the
-current stream), otherwise through a host copy. MPI has no float16/bfloat16
-reductions, so those reduce in a float32 copy; ``bool`` reduces as ``uint8``
-with torch's (gloo's) logical meaning: SUM/MAX are OR, PRODUCT/MIN are AND.
+CPU tensors reach MPI zero-copy as buffers over their memory
+(``MPI.buffer.fromaddress``, 8x cheaper per call than a numpy view). CUDA
+tensors go through ``__cuda_array_interface__`` when MPI is CUDA-aware (after
+synchronizing the current stream), else through a host copy. float16/bfloat16
+reduce in a float32 copy; ``bool`` reduces as ``uint8`` with gloo's meaning
+(SUM/MAX: or, PRODUCT/MIN: and).
 
 Every operation is non-blocking; :class:`_MPIWork` polls ``Request.Test()``
-until done or the deadline, so a wait never hangs past its timeout.
+until done or the deadline, so no wait outlives its timeout. On Open MPI,
+:class:`_NbcTuning` gives large all-reduces libnbc's fast schedule.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
+import math
 import os
 import threading
 import time
@@ -34,17 +38,18 @@ logger = logging.getLogger(__name__)
 
 _INSTALL_HINT = "pip install sparsecomm[mpi]"
 
-#: Poll with ``Test()`` + ``sched_yield()`` this long before sleeping between polls.
-_SPIN_S = 2e-3
-#: Sleep at most this fraction of the time already waited (bounds the added latency) ...
-_SLEEP_FRACTION = 0.02
-#: ... and never longer than this.
+# Polling: Test() in a loop for _SPIN_S (no wake-up latency; with more ranks
+# on the node than CPUs each poll also yields, so the ranks sharing a core run;
+# yielding otherwise loses the CPU to any busy process, e.g. data loaders),
+# then sleep at most _SLEEP_FRACTION of the time already waited (so a late
+# wake-up adds <= ~1 %) and never more than _MAX_SLEEP_S.
+_SPIN_S = 10e-3
+_SLEEP_FRACTION = 0.01
 _MAX_SLEEP_S = 1e-3
 
-# Data movement reinterprets dtypes MPI lacks as same-size integers.
+# Data movement reinterprets the dtypes MPI lacks as same-size integers.
 _MOVE_AS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.bool: torch.uint8}
 _HALF = (torch.float16, torch.bfloat16)
-# bool reduces as uint8 0/1, with the logical meaning gloo gives each operator.
 _BOOL_OPS = {
     ReduceOp.SUM: ReduceOp.BOR,
     ReduceOp.MAX: ReduceOp.BOR,
@@ -54,7 +59,7 @@ _BOOL_OPS = {
 
 
 def _mpi() -> Any:
-    """Import ``mpi4py.MPI`` (initializing MPI) or explain how to install it."""
+    """Import ``mpi4py.MPI`` (which initializes MPI) or say how to install it."""
     try:
         from mpi4py import MPI
     except ImportError as exc:
@@ -80,82 +85,77 @@ def cuda_aware() -> bool:
     if query is not None:
         return bool(query())
     try:
-        lib = ctypes.CDLL(MPI.__file__)  # already loaded: dlsym also searches libmpi
+        lib = ctypes.CDLL(MPI.__file__)  # already loaded: its symbols include libmpi's
     except OSError:
         lib = None
-    if lib is not None:
-        ompi = getattr(lib, "MPIX_Query_cuda_support", None)
-        if ompi is not None:
-            return bool(ompi())
-        mpich = getattr(lib, "MPIX_GPU_query_support", None)
-        if mpich is not None:
-            flag = ctypes.c_int(0)
-            return mpich(0, ctypes.byref(flag)) == 0 and bool(flag.value)  # 0: MPIX_GPU_SUPPORT_CUDA
+    if lib is not None and hasattr(lib, "MPIX_Query_cuda_support"):
+        return bool(lib.MPIX_Query_cuda_support())
+    if lib is not None and hasattr(lib, "MPIX_GPU_query_support"):
+        flag = ctypes.c_int(0)  # first argument 0: MPIX_GPU_SUPPORT_CUDA
+        return lib.MPIX_GPU_query_support(0, ctypes.byref(flag)) == 0 and bool(flag.value)
     return os.environ.get("OMPI_MCA_opal_cuda_support", "").lower() in ("1", "true", "yes")
 
 
-class _NbcAllreduceTuning:
-    """Make Open MPI's non-blocking all_reduce as fast as its blocking one.
+class _NbcTuning:
+    """Make Open MPI's non-blocking all-reduce as fast as its blocking one.
 
     libnbc runs every in-place ``Iallreduce`` (and every one on < 4 ranks) as
-    a binomial reduce + broadcast: 1.2x (4 ranks) to 2.1x (2 ranks) the time
-    of the blocking ``Allreduce`` at 16 MB. Its reduce-scatter/all-gather
-    (Rabenseifner) algorithm matches the blocking one, so around each large
+    binomial reduce + broadcast: 1.2x (4 ranks) to 2.1x (2 ranks) the time of
+    the blocking ``Allreduce`` at 16 MB here. Its reduce-scatter + all-gather
+    (Rabenseifner) schedule matches the blocking one, so around each large
     post we set the MPI_T control variable ``coll_libnbc_iallreduce_algorithm``
-    to 3 and back to 0. The choice depends only on (count, size, ranks), so
-    every rank picks the same schedule. Inactive unless that variable exists
-    and is 0 (the user did not choose an algorithm).
+    to 3, then back to 0. The choice depends only on (count, item size,
+    ranks), so every rank builds the same schedule. Inactive unless that
+    variable exists and is 0 (the user did not choose an algorithm).
     """
 
-    MIN_BYTES = 1 << 16  # libnbc's own binomial / Rabenseifner threshold
+    MIN_BYTES = 1 << 16  # libnbc's own small-message threshold
 
     def __init__(self, MPI: Any) -> None:
-        self._write: Callable[[int], int] | None = None
+        self._on: Callable[[], int] | None = None
+        self._off: Callable[[], int] | None = None
+        ref = ctypes.byref
+        level, idx, count = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+        handle, value = ctypes.c_void_p(), ctypes.c_int(-1)
         try:
             lib = ctypes.CDLL(MPI.__file__)
-            provided, idx, count = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
-            handle, value = ctypes.c_void_p(), ctypes.c_int(-1)
             ok = (
-                lib.MPI_T_init_thread(MPI.Query_thread(), ctypes.byref(provided)) == 0
-                and lib.MPI_T_cvar_get_index(
-                    b"coll_libnbc_iallreduce_algorithm", ctypes.byref(idx)
-                ) == 0
-                and lib.MPI_T_cvar_handle_alloc(
-                    idx, None, ctypes.byref(handle), ctypes.byref(count)
-                ) == 0
-                and lib.MPI_T_cvar_read(handle, ctypes.byref(value)) == 0
+                lib.MPI_T_init_thread(MPI.Query_thread(), ref(level)) == 0
+                and lib.MPI_T_cvar_get_index(b"coll_libnbc_iallreduce_algorithm", ref(idx)) == 0
+                and lib.MPI_T_cvar_handle_alloc(idx, None, ref(handle), ref(count)) == 0
+                and lib.MPI_T_cvar_read(handle, ref(value)) == 0
             )
-        except (OSError, AttributeError):  # not Open MPI, or no MPI_T
+        except (OSError, AttributeError):  # no MPI_T in this library
             return
         if ok and value.value == 0:
-            self._write = lambda v: lib.MPI_T_cvar_write(handle, ctypes.byref(ctypes.c_int(v)))
+            write = lib.MPI_T_cvar_write
+            write.argtypes, write.restype = (ctypes.c_void_p, ctypes.c_void_p), ctypes.c_int
+            self._values = (ctypes.c_int(0), ctypes.c_int(3))  # referenced by the partials
+            self._on = functools.partial(write, handle, ref(self._values[1]))
+            self._off = functools.partial(write, handle, ref(self._values[0]))
 
-    def algorithm(self, count: int, itemsize: int, world_size: int) -> int:
-        """Return the libnbc algorithm to use (0: libnbc's default choice)."""
-        if self._write is None or count * itemsize < self.MIN_BYTES:
-            return 0
-        return 3 if count >= 1 << (world_size.bit_length() - 1) else 0
-
-    def post(self, alg: int, fn: Callable[..., Any], *args: Any) -> Any:
-        """Call ``fn(*args)`` (an ``Iallreduce``) with libnbc algorithm ``alg``."""
-        with _POST_LOCK:  # no other post of ours between the two writes
-            if alg == 0 or self._write is None:
+    def post(
+        self, nbytes: int, count: int, world_size: int, fn: Callable[..., Any], *args: Any
+    ) -> Any:
+        """Call ``fn(*args)`` (an ``Iallreduce``) with the algorithm suited to its size."""
+        big = nbytes >= self.MIN_BYTES and count >= 1 << (world_size.bit_length() - 1)
+        with _POST_LOCK:  # no other Iallreduce of ours is posted between the two writes
+            if not big or self._on is None or self._off is None:
                 return fn(*args)
-            self._write(alg)
+            self._on()
             try:
                 return fn(*args)
             finally:
-                self._write(0)
+                self._off()
 
 
 _POST_LOCK = threading.Lock()
-_NBC: _NbcAllreduceTuning | None = None
+_NBC: _NbcTuning | None = None
+_ABANDONED: list[tuple[Any, Any]] = []  # requests never completed, kept alive with their buffers
 
 
 def _translate(MPI: Any, op_name: str, exc: BaseException) -> CommError:
-    """Map an ``MPI.Exception`` to the ``CommError`` family (ULFM classes to peer failure)."""
-    if isinstance(exc, CommError):
-        return exc
+    """Map an ``MPI.Exception`` to the ``CommError`` family (ULFM classes: peer failure)."""
     try:
         cls = exc.Get_error_class()  # type: ignore[attr-defined]
     except Exception:  # noqa: BLE001 - not an MPI.Exception
@@ -174,11 +174,11 @@ def _copy_back(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], None]:
 
 
 class _DeviceBuffer:
-    """Exposes only ``__cuda_array_interface__``, so mpi4py takes that path for a CUDA tensor."""
+    """Exposes only ``__cuda_array_interface__``, so mpi4py takes that path."""
 
     def __init__(self, t: torch.Tensor) -> None:
         self.__cuda_array_interface__ = t.__cuda_array_interface__
-        self._t = t  # keep the memory alive
+        self._t = t  # keeps the memory alive
 
 
 class _MPIWork:
@@ -188,8 +188,10 @@ class _MPIWork:
         MPI: The ``mpi4py.MPI`` module.
         op_name: Operation name for messages.
         req: The request.
-        keep: Objects that must outlive the request (buffers).
-        finish: Runs once after completion (cast back, copy to the device).
+        keep: Objects that must outlive the request (tensors, buffers).
+        finish: Runs once, in ``wait``, after completion (cast back, copy to the device).
+        status: An ``MPI.Status`` to fill (receives).
+        share_cpu: Yield the CPU between polls (more ranks than CPUs on this node).
     """
 
     def __init__(
@@ -199,31 +201,34 @@ class _MPIWork:
         req: Any,
         keep: tuple[Any, ...],
         finish: Callable[[], None] | None = None,
+        status: Any = None,
+        share_cpu: bool = False,
     ) -> None:
         self._MPI = MPI
+        self._share_cpu = share_cpu
         self._op_name = op_name
         self._req = req
         self._keep: tuple[Any, ...] | None = keep
         self._finish = finish
-        self.status = MPI.Status()
+        self.status = status
         self._done = False
         self._error: CommError | None = None
 
-    def _test(self) -> bool:
+    def __del__(self) -> None:
+        if not getattr(self, "_done", True) and _ABANDONED is not None:
+            _ABANDONED.append((self._req, self._keep))  # MPI may still use these buffers
+
+    def is_completed(self) -> bool:
+        """Return whether MPI finished the request (or it failed: ``wait`` raises then)."""
         if not self._done:
             try:
                 self._done = bool(self._req.Test(self.status))
             except self._MPI.Exception as exc:
-                self._error = _translate(self._MPI, self._op_name, exc)
-                self._done = True
+                self._error, self._done = _translate(self._MPI, self._op_name, exc), True
         return self._done
 
-    def is_completed(self) -> bool:
-        """Return whether MPI finished the request (or it failed; ``wait`` raises then)."""
-        return self._test()
-
     def wait(self, timeout_s: float | None) -> None:
-        """Poll until done; run the finish step.
+        """Poll until done, then run the finish step.
 
         Args:
             timeout_s: Deadline in seconds; ``None`` waits without one.
@@ -233,20 +238,25 @@ class _MPIWork:
             PeerFailureError: ULFM reported a failed peer or a revoked communicator.
             CommError: Any other MPI error.
         """
-        if not self._test():
-            start = time.monotonic()
-            deadline = None if timeout_s is None else start + timeout_s
-            while not self._test():
-                now = time.monotonic()
-                if deadline is not None and now >= deadline:
-                    raise CommTimeoutError(
-                        f"{self._op_name}: MPI request still pending after {timeout_s:g} s"
-                    )
-                waited = now - start
-                if waited < _SPIN_S:
-                    os.sched_yield()  # lets oversubscribed peers run; returns at once otherwise
-                else:
-                    time.sleep(min(_MAX_SLEEP_S, waited * _SLEEP_FRACTION))
+        if not self.is_completed():
+            test, status, clock = self._req.Test, self.status, time.monotonic
+            start = clock()
+            deadline = math.inf if timeout_s is None else start + timeout_s
+            try:
+                while not test(status):
+                    now = clock()
+                    if now >= deadline:
+                        raise CommTimeoutError(
+                            f"{self._op_name}: MPI request still pending after {timeout_s:g} s"
+                        )
+                    waited = now - start
+                    if waited >= _SPIN_S:
+                        time.sleep(min(_MAX_SLEEP_S, waited * _SLEEP_FRACTION))
+                    elif self._share_cpu:
+                        os.sched_yield()
+            except self._MPI.Exception as exc:
+                self._error = _translate(self._MPI, self._op_name, exc)
+            self._done = True
         self._keep = None
         if self._error is not None:
             raise self._error
@@ -259,7 +269,7 @@ class MPICommunicator(BaseCommunicator):
     """A communicator over an mpi4py intracommunicator (backend ``mpi``).
 
     The given communicator is duplicated, so this traffic never matches the
-    caller's messages; the duplicate returns errors as exceptions.
+    caller's messages; the duplicate reports errors as exceptions.
 
     Args:
         comm: An ``mpi4py.MPI.Intracomm``; ``None`` means ``MPI.COMM_WORLD``.
@@ -287,18 +297,20 @@ class MPICommunicator(BaseCommunicator):
         self._setup(MPI, dup, timeout, check_collectives)
 
     @classmethod
-    def _adopt(
-        cls, MPI: Any, comm: Any, timeout: timedelta, check_collectives: bool
-    ) -> MPICommunicator:
+    def _adopt(cls, MPI: Any, comm: Any, timeout: timedelta, check: bool) -> MPICommunicator:
         """Wrap a communicator this module created (no second ``Dup``)."""
         self = cls.__new__(cls)
-        self._setup(MPI, comm, timeout, check_collectives)
+        self._setup(MPI, comm, timeout, check)
         return self
 
     def _setup(self, MPI: Any, comm: Any, timeout: timedelta, check_collectives: bool) -> None:
+        global _NBC
         try:
             super().__init__(
-                comm.Get_rank(), comm.Get_size(), timeout=timeout, check_collectives=check_collectives
+                comm.Get_rank(),
+                comm.Get_size(),
+                timeout=timeout,
+                check_collectives=check_collectives,
             )
         except Exception:
             comm.Free()
@@ -306,32 +318,26 @@ class MPICommunicator(BaseCommunicator):
         comm.Set_errhandler(MPI.ERRORS_RETURN)
         self._MPI = MPI
         self._comm = comm
-        self._cuda_aware: bool | None = None  # detected on first CUDA tensor
-        global _NBC
-        with _POST_LOCK:
-            if _NBC is None:
-                _NBC = _NbcAllreduceTuning(MPI)
-        self._nbc = _NBC
+        self._cuda_aware: bool | None = None  # detected on the first CUDA tensor
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        self._share_cpu = node.Get_size() > (os.cpu_count() or 1)
+        node.Free()
         tag_ub = comm.Get_attr(MPI.TAG_UB)
         self._tag_ub = int(tag_ub) if tag_ub is not None else 32767
+        with _POST_LOCK:
+            if _NBC is None:
+                _NBC = _NbcTuning(MPI)
+        self._nbc = _NBC
         self._types = {
-            torch.float32: MPI.FLOAT,
-            torch.float64: MPI.DOUBLE,
-            torch.int8: MPI.INT8_T,
-            torch.uint8: MPI.UINT8_T,
-            torch.int16: MPI.INT16_T,
-            torch.int32: MPI.INT32_T,
+            torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE, torch.int8: MPI.INT8_T,
+            torch.uint8: MPI.UINT8_T, torch.int16: MPI.INT16_T, torch.int32: MPI.INT32_T,
             torch.int64: MPI.INT64_T,
-        }
+        }  # fmt: skip
         self._ops = {
-            ReduceOp.SUM: MPI.SUM,
-            ReduceOp.PRODUCT: MPI.PROD,
-            ReduceOp.MIN: MPI.MIN,
-            ReduceOp.MAX: MPI.MAX,
-            ReduceOp.BAND: MPI.BAND,
-            ReduceOp.BOR: MPI.BOR,
+            ReduceOp.SUM: MPI.SUM, ReduceOp.PRODUCT: MPI.PROD, ReduceOp.MIN: MPI.MIN,
+            ReduceOp.MAX: MPI.MAX, ReduceOp.BAND: MPI.BAND, ReduceOp.BOR: MPI.BOR,
             ReduceOp.BXOR: MPI.BXOR,
-        }
+        }  # fmt: skip
         logger.debug("mpi communicator: rank %d of %d", self.rank, self.world_size)
 
     @property
@@ -347,48 +353,48 @@ class MPICommunicator(BaseCommunicator):
     # ------------------------------------------------------------------ buffers
     def _buffer(
         self, t: torch.Tensor, *, reduce: bool, output: bool
-    ) -> tuple[list[Any], Callable[[], None] | None]:
-        """Return ``[buffer, MPI datatype]`` for contiguous ``t`` and its write-back step.
+    ) -> tuple[list[Any], torch.Tensor, Callable[[], None] | None]:
+        """Return the MPI message for contiguous ``t``, the tensor MPI uses, and its write-back.
 
         Args:
             t: The tensor (contiguous).
             reduce: For a reduction: float16/bfloat16 go through a float32 copy.
-            output: MPI writes into it: copies must be written back to ``t``.
+            output: MPI writes into it: a copy must be written back to ``t``.
         """
-        flat = t.detach().reshape(-1)
-        buf = flat.float() if reduce and flat.dtype in _HALF else flat
-        device = buf.is_cuda
-        if device:
+        buf = t.float() if reduce and t.dtype in _HALF else t
+        if buf.is_cuda:
             if self._cuda_aware is None:
                 self._cuda_aware = cuda_aware()
                 logger.debug("mpi communicator: CUDA-aware MPI: %s", self._cuda_aware)
             if self._cuda_aware:
                 torch.cuda.current_stream(buf.device).synchronize()
             else:
-                buf = buf.cpu()  # synchronizes with the stream
-                device = False
-        finish = _copy_back(flat, buf) if output and buf is not flat else None
-        raw = buf.view(_MOVE_AS[buf.dtype]) if buf.dtype in _MOVE_AS else buf
-        obj: Any = _DeviceBuffer(raw) if device else raw.numpy()
-        return [obj, self._types[raw.dtype]], finish
+                buf = buf.cpu()  # waits for the stream
+        finish = _copy_back(t, buf) if output and buf is not t else None
+        move = _MOVE_AS.get(buf.dtype, buf.dtype)
+        if buf.is_cuda:
+            obj: Any = _DeviceBuffer(buf.detach().view(move))
+        else:
+            obj = self._MPI.buffer.fromaddress(buf.data_ptr(), buf.numel() * buf.element_size())
+        return [obj, self._types[move]], buf, finish
 
     def _post(
         self,
         op_name: str,
         fn: Callable[..., Any],
         *args: Any,
+        keep: tuple[Any, ...],
         finish: Callable[[], None] | None = None,
+        status: Any = None,
     ) -> _MPIWork:
         try:
             req = fn(*args)
         except self._MPI.Exception as exc:
             raise _translate(self._MPI, op_name, exc) from exc
-        return _MPIWork(self._MPI, op_name, req, args, finish)
+        return _MPIWork(self._MPI, op_name, req, (keep, args), finish, status, self._share_cpu)
 
     def _reduce_op(self, op: ReduceOp, dtype: torch.dtype) -> Any:
-        if dtype == torch.bool:
-            op = _BOOL_OPS.get(op, op)
-        return self._ops[op]
+        return self._ops[_BOOL_OPS.get(op, op) if dtype == torch.bool else op]
 
     def _check_tag(self, tag: int) -> None:
         if tag > self._tag_ub:
@@ -396,58 +402,63 @@ class MPICommunicator(BaseCommunicator):
 
     # ------------------------------------------------------------------ transport hooks
     def _raw_all_reduce(self, buf: torch.Tensor, op: ReduceOp) -> RawWork:
-        msg, finish = self._buffer(buf, reduce=True, output=True)
-        mop = self._reduce_op(op, buf.dtype)
-        itemsize = 4 if buf.dtype in _HALF else buf.element_size()
-        alg = self._nbc.algorithm(buf.numel(), itemsize, self.world_size)
+        msg, mem, finish = self._buffer(buf, reduce=True, output=True)
+        nbytes = mem.numel() * mem.element_size()
         return self._post(
-            "all_reduce", self._nbc.post, alg, self._comm.Iallreduce, self._MPI.IN_PLACE, msg, mop,
-            finish=finish,
-        )
+            "all_reduce", self._nbc.post, nbytes, mem.numel(), self.world_size,
+            self._comm.Iallreduce, self._MPI.IN_PLACE, msg, self._reduce_op(op, buf.dtype),
+            keep=(mem,), finish=finish,
+        )  # fmt: skip
 
     def _raw_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp) -> RawWork:
-        send, _ = self._buffer(inp, reduce=True, output=False)
-        recv, finish = self._buffer(out, reduce=True, output=True)
+        send, smem, _ = self._buffer(inp, reduce=True, output=False)
+        recv, rmem, finish = self._buffer(out, reduce=True, output=True)
         mop = self._reduce_op(op, inp.dtype)
         return self._post(
-            "reduce_scatter", self._comm.Ireduce_scatter_block, send, recv, mop, finish=finish
-        )
+            "reduce_scatter", self._comm.Ireduce_scatter_block, send, recv, mop,
+            keep=(smem, rmem), finish=finish,
+        )  # fmt: skip
 
     def _raw_all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> RawWork:
-        send, _ = self._buffer(inp, reduce=False, output=False)
-        recv, finish = self._buffer(out, reduce=False, output=True)
-        return self._post("all_gather", self._comm.Iallgather, send, recv, finish=finish)
+        send, smem, _ = self._buffer(inp, reduce=False, output=False)
+        recv, rmem, finish = self._buffer(out, reduce=False, output=True)
+        return self._post(
+            "all_gather", self._comm.Iallgather, send, recv, keep=(smem, rmem), finish=finish
+        )
 
     def _raw_broadcast(self, buf: torch.Tensor, src: int) -> RawWork:
-        msg, finish = self._buffer(buf, reduce=False, output=self.rank != src)
-        return self._post("broadcast", self._comm.Ibcast, msg, src, finish=finish)
+        msg, mem, finish = self._buffer(buf, reduce=False, output=self.rank != src)
+        return self._post("broadcast", self._comm.Ibcast, msg, src, keep=(mem,), finish=finish)
 
     def _raw_barrier(self) -> RawWork:
-        return self._post("barrier", self._comm.Ibarrier)
+        return self._post("barrier", self._comm.Ibarrier, keep=())
 
     def _raw_send(self, buf: torch.Tensor, dst: int, tag: int) -> RawWork:
         self._check_tag(tag)
-        msg, _ = self._buffer(buf, reduce=False, output=False)
-        return self._post("send", self._comm.Isend, msg, dst, tag)
+        msg, mem, _ = self._buffer(buf, reduce=False, output=False)
+        return self._post("send", self._comm.Isend, msg, dst, tag, keep=(mem,))
 
     def _raw_recv(
         self, buf: torch.Tensor, src: int | None, tag: int
     ) -> tuple[RawWork, Callable[[], int]]:
         self._check_tag(tag)
-        msg, finish = self._buffer(buf, reduce=False, output=True)
+        msg, mem, finish = self._buffer(buf, reduce=False, output=True)
         source = self._MPI.ANY_SOURCE if src is None else src
-        work = self._post("recv", self._comm.Irecv, msg, source, tag, finish=finish)
+        status = self._MPI.Status() if src is None else None
+        work = self._post(
+            "recv", self._comm.Irecv, msg, source, tag, keep=(mem,), finish=finish, status=status
+        )
         if src is not None:
             return work, lambda: src
-        return work, lambda: int(work.status.Get_source())
+        return work, lambda: int(status.Get_source())
 
     def _raw_split(self, members: list[int]) -> MPICommunicator | None:
         MPI = self._MPI
         member = self.rank in members
-        color = 0 if member else MPI.UNDEFINED
-        key = members.index(self.rank) if member else 0
-        try:
-            new = self._comm.Split(color, key)  # blocking: MPI has no non-blocking split
+        try:  # blocking: MPI has no non-blocking split
+            new = self._comm.Split(
+                0 if member else MPI.UNDEFINED, members.index(self.rank) if member else 0
+            )
         except MPI.Exception as exc:
             raise _translate(MPI, "split", exc) from exc
         if new == MPI.COMM_NULL:
@@ -457,7 +468,7 @@ class MPICommunicator(BaseCommunicator):
     def _raw_abort(self) -> None:
         MPI = self._MPI
         try:
-            self._comm.Revoke()  # ULFM: peers blocked on us fail with ERR_REVOKED
+            self._comm.Revoke()  # ULFM: peers blocked on this communicator fail with ERR_REVOKED
         except (NotImplementedError, AttributeError, MPI.Exception) as exc:
             logger.debug("mpi communicator: Revoke unavailable (%s); freeing only", exc)
         try:

@@ -1,44 +1,29 @@
 """Run a worker script of ``tests/mpi/workers`` under ``mpirun`` with a hard deadline.
 
 ``run_mpi("backend_smoke", 4)`` runs
-``mpirun -n 4 --oversubscribe --allow-run-as-root $MPIRUN_ARGS python -m mpi4py
-tests/mpi/workers/backend_smoke.py`` from the repository root and returns the
-completed process; on timeout it kills the whole process group and fails the
-test with everything the ranks printed. Works as root in a container with
-fewer cores than ranks.
+``mpirun -n 4 --oversubscribe --allow-run-as-root $SPARSECOMM_MPIRUN_ARGS python -m mpi4py
+tests/mpi/workers/backend_smoke.py`` (built by :func:`bindings.spawn.mpirun_python`) from the repository root and returns the
+completed process; on timeout it stops mpirun and every rank it started
+(they share mpirun's session) and fails the test with everything the ranks
+printed. Works as root in a container with fewer cores than ranks.
 """
 
 from __future__ import annotations
 
 import os
-import shlex
-import shutil
 import signal
 import subprocess
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
 
-__all__ = ["ROOT", "find_mpirun", "run_mpi", "ULFM_ARGS"]
+from bindings.spawn import find_mpirun, mpirun_python
+
+__all__ = ["ROOT", "run_mpi"]
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKERS = ROOT / "tests" / "mpi" / "workers"
-
-#: mpirun flags that turn on Open MPI's ULFM with a fast failure detector (DESIGN §2).
-ULFM_ARGS = (
-    "--with-ft", "ulfm", "--mca", "mpi_ft_detector", "true", "--mca", "mpi_ft_detector_timeout", "1",
-)
-
-
-def find_mpirun() -> str | None:
-    """Return the ``mpirun`` next to this Python (a venv's Open MPI wheel), else on ``PATH``."""
-    local = Path(sys.executable).parent / "mpirun"
-    if local.is_file() and os.access(local, os.X_OK):
-        return str(local)
-    return shutil.which("mpirun")
-
 
 def _env(extra_env: Mapping[str, str] | None) -> dict[str, str]:
     env = dict(os.environ)
@@ -58,13 +43,45 @@ def _env(extra_env: Mapping[str, str] | None) -> dict[str, str]:
     return env
 
 
+def _session_members(sid: int) -> list[int]:
+    """PIDs whose session id is ``sid`` (mpirun puts each rank in its own process group)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[-1].split()  # after "(comm)": state ppid pgrp session ...
+        if len(fields) > 3 and int(fields[3]) == sid:
+            pids.append(int(entry.name))
+    return pids
+
+
+def _kill_session(proc: subprocess.Popen[str]) -> None:
+    """Stop mpirun and every rank it started (they share the session ``proc.pid`` leads)."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)  # mpirun forwards it to the ranks
+        proc.wait(timeout=5)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    if proc.poll() is None:
+        proc.kill()
+    for pid in _session_members(proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def run_mpi(
     worker: str,
     nprocs: int,
     *args: str,
     timeout: float = 120,
     extra_env: Mapping[str, str] | None = None,
-    mpirun_args: tuple[str, ...] = (),
+    ulfm: bool = False,
 ) -> subprocess.CompletedProcess[str]:
     """Run ``tests/mpi/workers/<worker>.py`` on ``nprocs`` ranks.
 
@@ -74,34 +91,19 @@ def run_mpi(
         *args: Arguments for the script.
         timeout: Wall-clock limit of the whole job in seconds.
         extra_env: Extra environment variables.
-        mpirun_args: Extra mpirun flags (e.g. :data:`ULFM_ARGS`), after
-            those from ``$MPIRUN_ARGS``.
+        ulfm: Turn on ULFM fault tolerance (see :func:`bindings.spawn.mpirun_command`).
 
     Returns:
         The completed process (text stdout / stderr); the caller checks ``returncode``.
 
     Skips the test when no ``mpirun`` exists; fails it on timeout.
     """
-    mpirun = find_mpirun()
-    if mpirun is None:
+    if find_mpirun() is None:
         pytest.skip("mpirun not found (pip install sparsecomm[mpi])")
     script = WORKERS / f"{worker}.py"
     if not script.is_file():
         raise FileNotFoundError(f"no MPI worker {script}")
-    cmd = [
-        mpirun,
-        "-n",
-        str(nprocs),
-        "--oversubscribe",
-        "--allow-run-as-root",
-        *shlex.split(os.environ.get("MPIRUN_ARGS", "")),
-        *mpirun_args,
-        sys.executable,
-        "-m",
-        "mpi4py",
-        str(script.relative_to(ROOT)),
-        *args,
-    ]
+    cmd = mpirun_python(nprocs, [str(script.relative_to(ROOT)), *args], ulfm=ulfm)
     proc = subprocess.Popen(
         cmd,
         cwd=ROOT,
@@ -115,10 +117,7 @@ def run_mpi(
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _kill_session(proc)
         out, err = proc.communicate()
         pytest.fail(
             f"{' '.join(cmd)} ran past {timeout:g} s and was killed\n"
