@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -62,6 +63,34 @@ def translate_torch_error(op_name: str, exc: BaseException) -> CommError:
     if any(s in low for s in _PEER_LOST):
         return PeerFailureError(f"{op_name}: lost a peer: {text}")
     return CommError(f"{op_name}: {text}")
+
+
+class _ScratchPool:
+    """Reusable flat buffers: a fresh 64 MB allocation costs more than the copy into it.
+
+    A buffer is lent by :meth:`take` and returned by :meth:`give` when the
+    operation that used it finished, so overlapping async calls never share one.
+    Memory held: the largest buffers in flight at once.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: list[torch.Tensor] = []
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        with self._lock:
+            for i, buf in enumerate(self._free):
+                if buf.dtype == dtype and buf.device == device and buf.numel() >= numel:
+                    return self._free.pop(i)[:numel]
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def give(self, view: torch.Tensor) -> None:
+        base = view._base if view._base is not None else view
+        with self._lock:
+            self._free.append(base)
+            if len(self._free) > 4:  # keep the biggest few
+                self._free.sort(key=lambda t: t.numel() * t.element_size())
+                self._free.pop(0)
 
 
 class _ThenWork:
@@ -150,6 +179,7 @@ class TorchCommunicator(BaseCommunicator):
         self.native_avg = self._backend == "nccl"
         #: Build reduce_scatter from all_reduce (gloo: faster; costs one copy of the input).
         self.reduce_scatter_via_all_reduce = self._backend == "gloo"
+        self._scratch = _ScratchPool()
 
     def _wire_bytes(self, op: str, nbytes: int) -> tuple[int, int]:
         if op == "reduce_scatter" and self.reduce_scatter_via_all_reduce:
@@ -186,10 +216,16 @@ class TorchCommunicator(BaseCommunicator):
         if self.reduce_scatter_via_all_reduce:
             # gloo's reduce-scatter is slower than its all-reduce at every size we
             # measured (benchmarks/README.md): reduce a copy, keep our block.
-            full = inp.view(-1).clone()
+            full = self._scratch.take(inp.numel(), inp.dtype, inp.device)
+            full.copy_(inp.view(-1))
             lo = self.rank * out.numel()
             inner = _call("reduce_scatter", tdist.all_reduce, full, op=_TORCH_OPS[op], group=self._pg, async_op=True)
-            return _ThenWork(inner, lambda: out.view(-1).copy_(full[lo : lo + out.numel()]))
+
+            def then() -> None:
+                out.view(-1).copy_(full[lo : lo + out.numel()])
+                self._scratch.give(full)
+
+            return _ThenWork(inner, then)
         return _call(
             "reduce_scatter",
             _reduce_scatter_tensor,
