@@ -46,6 +46,9 @@ _INSTALL_HINT = "pip install sparsecomm[mpi]"
 _SPIN_S = 10e-3
 _SLEEP_FRACTION = 0.01
 _MAX_SLEEP_S = 1e-3
+#: Oversubscribed node: spin this long, then sleep at least _MIN_SLEEP_S per poll.
+_SHARED_SPIN_S = 50e-6
+_MIN_SLEEP_S = 20e-6
 
 # Data movement reinterprets the dtypes MPI lacks as same-size integers.
 _MOVE_AS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.bool: torch.uint8}
@@ -250,7 +253,11 @@ class _MPIWork:
                             f"{self._op_name}: MPI request still pending after {timeout_s:g} s"
                         )
                     waited = now - start
-                    if waited >= _SPIN_S:
+                    if self._share_cpu and waited >= _SHARED_SPIN_S:
+                        # more ranks than cores: a spinning rank steals the core a peer
+                        # needs to reach this collective, so back off almost at once
+                        time.sleep(min(_MAX_SLEEP_S, max(_MIN_SLEEP_S, waited * _SLEEP_FRACTION)))
+                    elif waited >= _SPIN_S:
                         time.sleep(min(_MAX_SLEEP_S, waited * _SLEEP_FRACTION))
                     elif self._share_cpu:
                         os.sched_yield()
