@@ -47,7 +47,7 @@ _SPIN_S = 10e-3
 _SLEEP_FRACTION = 0.01
 _MAX_SLEEP_S = 1e-3
 #: Oversubscribed node: spin this long, then sleep at least _MIN_SLEEP_S per poll.
-_SHARED_SPIN_S = 50e-6
+_SHARED_SPIN_S = 1e-3
 _MIN_SLEEP_S = 20e-6
 
 # Data movement reinterprets the dtypes MPI lacks as same-size integers.
