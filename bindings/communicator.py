@@ -384,7 +384,7 @@ class BaseCommunicator(abc.ABC):
             rop = ReduceOp.SUM
             n = self._world_size
             divide = lambda: buf.div_(n)  # noqa: E731
-        raw = self._raw_all_reduce(buf, rop) if buf.numel() else DoneWork()
+        raw = self._raw_all_reduce(buf, rop) if buf.numel() and self._world_size > 1 else DoneWork()
         self._stats.record("all_reduce", *self._wire_bytes("all_reduce", _nbytes(buf)))
         return self._complete("all_reduce", raw, _chain(divide, copy_back), async_op)
 
