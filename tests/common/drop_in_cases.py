@@ -343,7 +343,24 @@ def case_byte_accounting(rank: int, ws: int, seed: int = 12) -> int:
     return len(expect)
 
 
+def case_no_deprecation_warnings(rank: int, ws: int, seed: int = 13) -> int:
+    """Both spellings of the tensor collectives work without warnings from us."""
+    import warnings
+
+    x = torch.ones(4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dist.reduce_scatter_tensor(torch.empty(4), torch.ones(4 * ws))
+        dist.reduce_scatter_single(torch.empty(4), torch.ones(4 * ws))
+        dist.all_gather_into_tensor(torch.empty(4 * ws), x)
+        dist.all_gather_single(torch.empty(4 * ws), x)
+    noisy = [str(w.message) for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning))]
+    assert not noisy, noisy
+    return 4
+
+
 CASES: dict[str, Callable[[int, int], int]] = {
+    "no_deprecation_warnings": case_no_deprecation_warnings,
     "byte_accounting": case_byte_accounting,
     "all_reduce": case_all_reduce,
     "broadcast": case_broadcast,
