@@ -158,9 +158,7 @@ def _check_pair(out_name: str, out: torch.Tensor, in_name: str, inp: torch.Tenso
     if out.dtype != inp.dtype:
         raise TypeError(f"{out_name}: dtype {out.dtype} does not match {in_name} dtype {inp.dtype}")
     if out.device != inp.device:
-        raise ValueError(
-            f"{out_name}: device {out.device} does not match {in_name} device {inp.device}"
-        )
+        raise ValueError(f"{out_name}: device {out.device} does not match {in_name} device {inp.device}")
 
 
 def _check_op_dtype(op: ReduceOp, dtype: torch.dtype) -> None:
@@ -305,9 +303,7 @@ class BaseCommunicator(abc.ABC):
     def _agree(self, op_name: str, dtype: torch.dtype, numel: int, op: int, root: int) -> None:
         """Raise on every rank if the ranks' (collective, dtype, numel, op, root) differ."""
         fields = ("collective", "dtype", "numel", "op", "root")
-        mine = torch.tensor(
-            [_OPCODES[op_name], _DTYPE_CODES[dtype], numel, op, root], dtype=torch.int64
-        )
+        mine = torch.tensor([_OPCODES[op_name], _DTYPE_CODES[dtype], numel, op, root], dtype=torch.int64)
         both = torch.cat([mine, -mine]).to(self._meta_device())
         Handle(f"{op_name} (metadata check)", self._raw_all_reduce(both, ReduceOp.MAX), self._timeout).wait()
         both = both.cpu()
@@ -323,9 +319,7 @@ class BaseCommunicator(abc.ABC):
                 return _DTYPE_NAMES.get(v, str(v))
             return str(v)
 
-        parts = ", ".join(
-            f"{fields[i]} differs (min {show(i, int(lo[i]))}, max {show(i, int(hi[i]))})" for i in bad
-        )
+        parts = ", ".join(f"{fields[i]} differs (min {show(i, int(lo[i]))}, max {show(i, int(hi[i]))})" for i in bad)
         raise CollectiveMismatchError(f"{op_name}: ranks called it with different arguments: {parts}")
 
     def _meta_device(self) -> torch.device:
@@ -416,8 +410,7 @@ class BaseCommunicator(abc.ABC):
         _check_async(async_op)
         if input.numel() != output.numel() * self._world_size:
             raise ValueError(
-                f"input: numel {input.numel()} must be output numel {output.numel()} "
-                f"x world_size {self._world_size}"
+                f"input: numel {input.numel()} must be output numel {output.numel()} x world_size {self._world_size}"
             )
         self._check_transport("reduce_scatter", rop, (output, input))
         self._ensure_usable("reduce_scatter")
@@ -457,8 +450,7 @@ class BaseCommunicator(abc.ABC):
         _check_async(async_op)
         if output.numel() != input.numel() * self._world_size:
             raise ValueError(
-                f"output: numel {output.numel()} must be input numel {input.numel()} "
-                f"x world_size {self._world_size}"
+                f"output: numel {output.numel()} must be input numel {input.numel()} x world_size {self._world_size}"
             )
         self._check_transport("all_gather", None, (output, input))
         self._ensure_usable("all_gather")
@@ -524,9 +516,7 @@ class BaseCommunicator(abc.ABC):
         self._stats.record("send", *ring_bytes("send", _nbytes(buf), self._world_size))
         return self._complete("send", raw, None, async_op)
 
-    def recv(
-        self, tensor: torch.Tensor, src: int | None, *, tag: int = 0, async_op: bool = False
-    ) -> Handle | int:
+    def recv(self, tensor: torch.Tensor, src: int | None, *, tag: int = 0, async_op: bool = False) -> Handle | int:
         """Receive into ``tensor`` from rank ``src`` (``None``: any rank).
 
         Returns:
@@ -598,9 +588,7 @@ class BaseCommunicator(abc.ABC):
     def _raw_send(self, buf: torch.Tensor, dst: int, tag: int) -> RawWork: ...
 
     @abc.abstractmethod
-    def _raw_recv(
-        self, buf: torch.Tensor, src: int | None, tag: int
-    ) -> tuple[RawWork, Callable[[], int]]: ...
+    def _raw_recv(self, buf: torch.Tensor, src: int | None, tag: int) -> tuple[RawWork, Callable[[], int]]: ...
 
     @abc.abstractmethod
     def _raw_split(self, members: list[int]) -> BaseCommunicator | None: ...

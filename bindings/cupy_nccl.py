@@ -34,9 +34,7 @@ def _nccl() -> Any:
     try:
         from cupy.cuda import nccl
     except ImportError as exc:  # pragma: no cover - depends on the machine
-        raise RuntimeError(
-            "backend 'cupy-nccl' needs cupy with NCCL: pip install 'sparsecomm[cuda]'"
-        ) from exc
+        raise RuntimeError("backend 'cupy-nccl' needs cupy with NCCL: pip install 'sparsecomm[cuda]'") from exc
     return nccl
 
 
@@ -232,17 +230,11 @@ class CupyNcclCommunicator(BaseCommunicator):
         return self._raw_all_reduce(token, ReduceOp.SUM)
 
     def _raw_send(self, buf: torch.Tensor, dst: int, tag: int) -> RawWork:
-        return self._launch(
-            "send", lambda s: self._comm.send(buf.data_ptr(), buf.numel(), self._dt(buf), dst, s)
-        )
+        return self._launch("send", lambda s: self._comm.send(buf.data_ptr(), buf.numel(), self._dt(buf), dst, s))
 
-    def _raw_recv(
-        self, buf: torch.Tensor, src: int | None, tag: int
-    ) -> tuple[RawWork, Callable[[], int]]:
+    def _raw_recv(self, buf: torch.Tensor, src: int | None, tag: int) -> tuple[RawWork, Callable[[], int]]:
         assert src is not None  # _check_transport refused any-source receives
-        work = self._launch(
-            "recv", lambda s: self._comm.recv(buf.data_ptr(), buf.numel(), self._dt(buf), src, s)
-        )
+        work = self._launch("recv", lambda s: self._comm.recv(buf.data_ptr(), buf.numel(), self._dt(buf), src, s))
         return work, lambda: src
 
     def _raw_split(self, members: list[int]) -> CupyNcclCommunicator | None:

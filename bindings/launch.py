@@ -203,8 +203,6 @@ def detect_launch(env: Mapping[str, str] | None = None) -> LaunchInfo | None:
         if det.is_present(env):
             info = det.read(env)
             if info.world_size < 1 or not 0 <= info.rank < info.world_size:
-                raise ValueError(
-                    f"{det.name}: rank {info.rank} / world size {info.world_size} are inconsistent"
-                )
+                raise ValueError(f"{det.name}: rank {info.rank} / world size {info.world_size} are inconsistent")
             return info
     return None

@@ -66,9 +66,7 @@ def _mpi() -> Any:
     try:
         from mpi4py import MPI
     except ImportError as exc:
-        raise ImportError(
-            f"the 'mpi' backend needs mpi4py and an MPI library ({_INSTALL_HINT}): {exc}"
-        ) from exc
+        raise ImportError(f"the 'mpi' backend needs mpi4py and an MPI library ({_INSTALL_HINT}): {exc}") from exc
     return MPI
 
 
@@ -137,9 +135,7 @@ class _NbcTuning:
             self._on = functools.partial(write, handle, ref(self._values[1]))
             self._off = functools.partial(write, handle, ref(self._values[0]))
 
-    def post(
-        self, nbytes: int, count: int, world_size: int, fn: Callable[..., Any], *args: Any
-    ) -> Any:
+    def post(self, nbytes: int, count: int, world_size: int, fn: Callable[..., Any], *args: Any) -> Any:
         """Call ``fn(*args)`` (an ``Iallreduce``) with the algorithm suited to its size."""
         big = nbytes >= self.MIN_BYTES and count >= 1 << (world_size.bit_length() - 1)
         with _POST_LOCK:  # no other Iallreduce of ours is posted between the two writes
@@ -249,9 +245,7 @@ class _MPIWork:
                 while not test(status):
                     now = clock()
                     if now >= deadline:
-                        raise CommTimeoutError(
-                            f"{self._op_name}: MPI request still pending after {timeout_s:g} s"
-                        )
+                        raise CommTimeoutError(f"{self._op_name}: MPI request still pending after {timeout_s:g} s")
                     waited = now - start
                     if self._share_cpu and waited >= _SHARED_SPIN_S:
                         # more ranks than cores: a spinning rank steals the core a peer
@@ -290,9 +284,7 @@ class MPICommunicator(BaseCommunicator):
 
     native_avg = False
 
-    def __init__(
-        self, comm: Any = None, *, timeout: timedelta, check_collectives: bool = False
-    ) -> None:
+    def __init__(self, comm: Any = None, *, timeout: timedelta, check_collectives: bool = False) -> None:
         MPI = _mpi()
         base = MPI.COMM_WORLD if comm is None else comm
         if not isinstance(base, MPI.Intracomm) or base == MPI.COMM_NULL:
@@ -429,9 +421,7 @@ class MPICommunicator(BaseCommunicator):
     def _raw_all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> RawWork:
         send, smem, _ = self._buffer(inp, reduce=False, output=False)
         recv, rmem, finish = self._buffer(out, reduce=False, output=True)
-        return self._post(
-            "all_gather", self._comm.Iallgather, send, recv, keep=(smem, rmem), finish=finish
-        )
+        return self._post("all_gather", self._comm.Iallgather, send, recv, keep=(smem, rmem), finish=finish)
 
     def _raw_broadcast(self, buf: torch.Tensor, src: int) -> RawWork:
         msg, mem, finish = self._buffer(buf, reduce=False, output=self.rank != src)
@@ -445,16 +435,12 @@ class MPICommunicator(BaseCommunicator):
         msg, mem, _ = self._buffer(buf, reduce=False, output=False)
         return self._post("send", self._comm.Isend, msg, dst, tag, keep=(mem,))
 
-    def _raw_recv(
-        self, buf: torch.Tensor, src: int | None, tag: int
-    ) -> tuple[RawWork, Callable[[], int]]:
+    def _raw_recv(self, buf: torch.Tensor, src: int | None, tag: int) -> tuple[RawWork, Callable[[], int]]:
         self._check_tag(tag)
         msg, mem, finish = self._buffer(buf, reduce=False, output=True)
         source = self._MPI.ANY_SOURCE if src is None else src
         status = self._MPI.Status() if src is None else None
-        work = self._post(
-            "recv", self._comm.Irecv, msg, source, tag, keep=(mem,), finish=finish, status=status
-        )
+        work = self._post("recv", self._comm.Irecv, msg, source, tag, keep=(mem,), finish=finish, status=status)
         if src is not None:
             return work, lambda: src
         return work, lambda: int(status.Get_source())
@@ -463,9 +449,7 @@ class MPICommunicator(BaseCommunicator):
         MPI = self._MPI
         member = self.rank in members
         try:  # blocking: MPI has no non-blocking split
-            new = self._comm.Split(
-                0 if member else MPI.UNDEFINED, members.index(self.rank) if member else 0
-            )
+            new = self._comm.Split(0 if member else MPI.UNDEFINED, members.index(self.rank) if member else 0)
         except MPI.Exception as exc:
             raise _translate(MPI, "split", exc) from exc
         if new == MPI.COMM_NULL:

@@ -69,8 +69,7 @@ def parse_reduce_op(op: Any) -> ReduceOp:
         except ValueError:
             pass
     raise ValueError(
-        f"op: unsupported reduction operator {op!r}; expected one of "
-        f"{', '.join(m.name for m in ReduceOp)}"
+        f"op: unsupported reduction operator {op!r}; expected one of {', '.join(m.name for m in ReduceOp)}"
     )
 
 

@@ -117,9 +117,7 @@ def create_communicator(
 
         if store is None:
             store = _make_store(rank, world_size, init_method, timeout)
-        return CupyNcclCommunicator(
-            store, rank, world_size, timeout=timeout, check_collectives=check_collectives
-        )
+        return CupyNcclCommunicator(store, rank, world_size, timeout=timeout, check_collectives=check_collectives)
 
     if name in ("gloo", "nccl") or ":" in name:
         import torch.distributed as tdist
@@ -138,9 +136,7 @@ def create_communicator(
                 world_size=world_size,
                 timeout=timeout,
             )
-        return TorchCommunicator(
-            None, timeout=timeout, check_collectives=check_collectives, owns_world=owns
-        )
+        return TorchCommunicator(None, timeout=timeout, check_collectives=check_collectives, owns_world=owns)
 
     raise ValueError(f"backend: unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
 
@@ -149,9 +145,7 @@ def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
     info = detect_launch()
     if rank is None:
         if info is None:
-            raise ValueError(
-                "rank: not given and no launcher (torchrun, mpirun, srun) detected in the environment"
-            )
+            raise ValueError("rank: not given and no launcher (torchrun, mpirun, srun) detected in the environment")
         rank = info.rank
     if world_size is None:
         if info is None:
@@ -170,9 +164,7 @@ def _rendezvous_address() -> tuple[str, int]:
     info = detect_launch()
     addr = os.environ.get("MASTER_ADDR") or (info.master_addr if info else None)
     if not addr:
-        raise RuntimeError(
-            "rendezvous: set MASTER_ADDR (and MASTER_PORT), or pass init_method= or store="
-        )
+        raise RuntimeError("rendezvous: set MASTER_ADDR (and MASTER_PORT), or pass init_method= or store=")
     port = int(os.environ.get("MASTER_PORT", info.master_port if info else 29500))
     return addr, port
 

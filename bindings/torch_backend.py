@@ -237,9 +237,7 @@ class TorchCommunicator(BaseCommunicator):
         )
 
     def _raw_all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> RawWork:
-        return _call(
-            "all_gather", _all_gather_tensor, out.view(-1), inp.view(-1), group=self._pg, async_op=True
-        )
+        return _call("all_gather", _all_gather_tensor, out.view(-1), inp.view(-1), group=self._pg, async_op=True)
 
     def _raw_broadcast(self, buf: torch.Tensor, src: int) -> RawWork:
         return _call("broadcast", tdist.broadcast, buf, src=self._g(src), group=self._pg, async_op=True)
@@ -252,9 +250,7 @@ class TorchCommunicator(BaseCommunicator):
             buf = torch.zeros(1, dtype=torch.uint8, device=buf.device)
         return _call("send", tdist.isend, buf, dst=self._g(dst), group=self._pg, tag=tag)
 
-    def _raw_recv(
-        self, buf: torch.Tensor, src: int | None, tag: int
-    ) -> tuple[RawWork, Callable[[], int]]:
+    def _raw_recv(self, buf: torch.Tensor, src: int | None, tag: int) -> tuple[RawWork, Callable[[], int]]:
         if buf.numel() == 0:  # matches the token byte of _raw_send
             buf = torch.zeros(1, dtype=torch.uint8, device=buf.device)
         try:
@@ -269,11 +265,15 @@ class TorchCommunicator(BaseCommunicator):
     def _raw_split(self, members: list[int]) -> TorchCommunicator | None:
         global_members = [self._g(r) for r in members]
         try:
-            pg = tdist.new_group(
-                ranks=global_members,
-                timeout=self.timeout,
-                use_local_synchronization=not self._is_world,
-            ) if (self._is_world or self.rank in members) else None
+            pg = (
+                tdist.new_group(
+                    ranks=global_members,
+                    timeout=self.timeout,
+                    use_local_synchronization=not self._is_world,
+                )
+                if (self._is_world or self.rank in members)
+                else None
+            )
         except Exception as exc:  # noqa: BLE001
             raise translate_torch_error("split", exc) from exc
         if self.rank not in members or pg is None or pg == tdist.GroupMember.NON_GROUP_MEMBER:

@@ -295,7 +295,5 @@ def _use_foreach(params: Sequence[Tensor], foreach: bool | None) -> list[bool]:
     if foreach is not None:
         return [bool(foreach)] * len(params)
     return [
-        type(p) in (Tensor, torch.nn.Parameter)
-        and (p.is_cuda or p.numel() <= _CPU_FOREACH_MAX_NUMEL)
-        for p in params
+        type(p) in (Tensor, torch.nn.Parameter) and (p.is_cuda or p.numel() <= _CPU_FOREACH_MAX_NUMEL) for p in params
     ]

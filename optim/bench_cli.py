@@ -65,7 +65,10 @@ def format_collectives_table(rows: list[dict[str, Any]]) -> str:
         f"{'op':>14} {'backend':>7} {'impl':>17} {'size':>10} {'count':>10} {'type':>8} "
         f"{'redop':>5} {'time(us)':>10} {'algbw':>7} {'busbw':>7} {'#wrong':>6} {'overhead':>8}"
     )
-    lines = [f"# nranks {rows[0]['nranks'] if rows else '-'}; time = median of iterations, max over ranks; bw in GB/s", head]
+    lines = [
+        f"# nranks {rows[0]['nranks'] if rows else '-'}; time = median of iterations, max over ranks; bw in GB/s",
+        head,
+    ]
     for r in rows:
         ov = r.get("overhead_pct")
         lines.append(
@@ -122,7 +125,9 @@ def _cmd_pack(args: argparse.Namespace) -> int:
         args.cmd_parser.error("--device cuda: no CUDA device here")
     rows = bench_pack(device=device, numel=args.numel, densities=tuple(args.density), dtypes=args.dtype)
     print(f"# pack/unpack kernels on {device}; best of 10; * = the kernel sparsecomm picks")
-    print(f"{'kernel':>10} {'dtype':>8} {'numel':>10} {'density':>7} {'k':>9} {'pack_us':>9} {'unpack_us':>9} {'GB/s':>7}")
+    print(
+        f"{'kernel':>10} {'dtype':>8} {'numel':>10} {'density':>7} {'k':>9} {'pack_us':>9} {'unpack_us':>9} {'GB/s':>7}"
+    )
     for r in rows:
         mark = "*" if r["chosen"] else " "
         print(
@@ -152,7 +157,9 @@ def add_bench_parser(subparsers: Any) -> None:
         help="dense all_reduce / reduce_scatter / all_gather, ours vs the raw transport",
         description="nccl-tests style sweep; our layer and the raw transport are timed in the same run.",
     )
-    p.add_argument("--backend", type=_csv(("gloo", "mpi")), default=("gloo", "mpi"), help="comma list (default gloo,mpi)")
+    p.add_argument(
+        "--backend", type=_csv(("gloo", "mpi")), default=("gloo", "mpi"), help="comma list (default gloo,mpi)"
+    )
     p.add_argument("--nproc", type=int, default=4, help="local ranks (default 4)")
     p.add_argument("--ops", type=_csv(OPS), default=OPS, help="comma list of collectives")
     p.add_argument("--dtype", type=_csv(("float32", "bfloat16", "float16", "float64")), default=("float32",))
@@ -165,10 +172,19 @@ def add_bench_parser(subparsers: Any) -> None:
     p.add_argument("--sparse", action="store_true", help="add the sparse rows (densities x dtypes)")
     p.add_argument("--sparse-only", action="store_true", help="only the sparse rows")
     p.add_argument("--numel", type=int, nargs="+", default=[1 << 24], help="sparse buffer sizes (default 16M)")
-    p.add_argument("--density", type=float, nargs="+", default=[1.0, 0.1, 0.01, 0.001],
-                   help="sparse densities; 1 = the dense baseline (default 1 0.1 0.01 0.001)")
-    p.add_argument("--sparse-dtype", type=_csv(("float32", "bfloat16", "float16", "float64")),
-                   default=("float32", "bfloat16"), help="sparse value types (default float32,bfloat16)")
+    p.add_argument(
+        "--density",
+        type=float,
+        nargs="+",
+        default=[1.0, 0.1, 0.01, 0.001],
+        help="sparse densities; 1 = the dense baseline (default 1 0.1 0.01 0.001)",
+    )
+    p.add_argument(
+        "--sparse-dtype",
+        type=_csv(("float32", "bfloat16", "float16", "float64")),
+        default=("float32", "bfloat16"),
+        help="sparse value types (default float32,bfloat16)",
+    )
     p.add_argument("--json", metavar="FILE", help="also write the rows as a JSON list")
     p.set_defaults(func=_cmd_collectives, cmd_parser=p)
 

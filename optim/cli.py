@@ -151,12 +151,18 @@ def write_loss_plot(report: dict[str, Any], path: str | Path) -> Path:
     ax = fig.add_subplot()
     ax.plot(steps, train, lw=0.7, alpha=0.35, color="tab:blue", label="train (per step)")
     ax.plot(steps, smooth, lw=1.6, color="tab:blue", label=f"train ({window}-step mean)")
-    ax.plot([e["step"] for e in report["evals"]], [e["val_loss"] for e in report["evals"]],
-            "o-", color="tab:orange", label="validation")
+    ax.plot(
+        [e["step"] for e in report["evals"]],
+        [e["val_loss"] for e in report["evals"]],
+        "o-",
+        color="tab:orange",
+        label="validation",
+    )
     model = report["model"]
     ax.set_title(
         f"{report['world_size']} ranks ({report['backend']}), {model['num_parameters']:,} params, "
-        f"batch {report['config']['batch']}x{model['context']} per rank", fontsize=10,
+        f"batch {report['config']['batch']}x{model['context']} per rank",
+        fontsize=10,
     )
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats / byte)")
@@ -206,10 +212,13 @@ def _add_train_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
     )
     p.add_argument("--nproc", type=int, default=d.nproc, help="local ranks to spawn")
     p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps")
-    p.add_argument("--backend", choices=("gloo", "mpi"), default=d.backend,
-                   help="transport (mpi: start under mpirun)")
-    p.add_argument("--data", metavar="FILE", default=d.data,
-                   help="text file to train on (default: the Python standard library's source)")
+    p.add_argument("--backend", choices=("gloo", "mpi"), default=d.backend, help="transport (mpi: start under mpirun)")
+    p.add_argument(
+        "--data",
+        metavar="FILE",
+        default=d.data,
+        help="text file to train on (default: the Python standard library's source)",
+    )
     p.add_argument("--out", metavar="DIR", default=d.out, help="output directory")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of init and data order")
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
@@ -219,13 +228,10 @@ def _add_train_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
     p.add_argument("--d-model", type=int, default=d.d_model, help="model width")
     p.add_argument("--layers", type=int, default=d.n_layers, help="transformer blocks")
     p.add_argument("--heads", type=int, default=d.n_heads, help="attention heads")
-    p.add_argument("--eval-interval", type=int, default=d.eval_interval,
-                   help="steps between validation passes")
-    p.add_argument("--eval-batches", type=int, default=d.eval_batches,
-                   help="validation batches per rank per pass")
+    p.add_argument("--eval-interval", type=int, default=d.eval_interval, help="steps between validation passes")
+    p.add_argument("--eval-batches", type=int, default=d.eval_batches, help="validation batches per rank per pass")
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads per rank")
-    p.add_argument("--timeout", type=float, default=d.job_timeout_s,
-                   help="deadline of the whole local job, seconds")
+    p.add_argument("--timeout", type=float, default=d.job_timeout_s, help="deadline of the whole local job, seconds")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_train, cmd_parser=p)
 
@@ -235,11 +241,23 @@ def _cmd_train(args: argparse.Namespace) -> int:
     parser: argparse.ArgumentParser = args.cmd_parser
     try:
         config = TrainConfig(
-            steps=args.steps, nproc=args.nproc, backend=args.backend, lr=args.lr,
-            warmup_steps=args.warmup, batch=args.batch, context=args.context,
-            d_model=args.d_model, n_layers=args.layers, n_heads=args.heads, seed=args.seed,
-            out=args.out, data=args.data, eval_interval=args.eval_interval,
-            eval_batches=args.eval_batches, threads=args.threads, job_timeout_s=args.timeout,
+            steps=args.steps,
+            nproc=args.nproc,
+            backend=args.backend,
+            lr=args.lr,
+            warmup_steps=args.warmup,
+            batch=args.batch,
+            context=args.context,
+            d_model=args.d_model,
+            n_layers=args.layers,
+            n_heads=args.heads,
+            seed=args.seed,
+            out=args.out,
+            data=args.data,
+            eval_interval=args.eval_interval,
+            eval_batches=args.eval_batches,
+            threads=args.threads,
+            job_timeout_s=args.timeout,
         )
     except ValueError as exc:
         parser.error(str(exc))
@@ -274,8 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sparsecomm", description="sparsecomm: communication for distributed training."
     )
-    parser.add_argument("-v", "--verbose", action="count", default=0,
-                        help="more log output (-v: info, -vv: debug)")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-v: info, -vv: debug)")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_train_parser(subparsers)
     add_bench_parser(subparsers)

@@ -45,9 +45,7 @@ VOCAB_SIZE = 256
 DEFAULT_MAX_BYTES = 4_000_000
 """Default size cap of the standard-library corpus (a few MB)."""
 
-_SKIP_DIRS = frozenset(
-    {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
-)
+_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
 
 
 @dataclass(frozen=True, kw_only=True)

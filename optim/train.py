@@ -136,8 +136,13 @@ def _evaluate(model: GPT, corpus: Corpus, config: TrainConfig, rank: int) -> flo
     with torch.no_grad():
         for i in range(config.eval_batches):
             x, y = sample_batch(
-                corpus.val, batch_size=config.batch, context=config.context,
-                seed=config.seed, step=i, rank=rank, stream="val",
+                corpus.val,
+                batch_size=config.batch,
+                context=config.context,
+                seed=config.seed,
+                step=i,
+                rank=rank,
+                stream="val",
             )
             _, loss = model(x, y)
             assert loss is not None
@@ -148,9 +153,7 @@ def _evaluate(model: GPT, corpus: Corpus, config: TrainConfig, rank: int) -> flo
     return float(val.item())
 
 
-def train_worker(
-    config: TrainConfig, rank: int, world_size: int, on_step: OnStep | None = None
-) -> dict[str, Any]:
+def train_worker(config: TrainConfig, rank: int, world_size: int, on_step: OnStep | None = None) -> dict[str, Any]:
     """Run the training loop as one rank of an initialised default group.
 
     Collective: every rank of the group must call this with the same config.
@@ -178,7 +181,9 @@ def train_worker(
         )
     torch.set_num_threads(config.threads)
     corpus = load_corpus(
-        config.data, val_fraction=config.val_fraction, max_bytes=config.max_corpus_bytes,
+        config.data,
+        val_fraction=config.val_fraction,
+        max_bytes=config.max_corpus_bytes,
         min_bytes=config.context + 2,
     )
     if corpus.val.numel() <= config.context:
@@ -190,9 +195,9 @@ def train_worker(
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": config.weight_decay},
-         {"params": no_decay, "weight_decay": 0.0}],
-        lr=config.lr, betas=(0.9, 0.95),
+        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=config.lr,
+        betas=(0.9, 0.95),
     )
     numel = sum(p.numel() for p in params)
     bucket = torch.zeros(numel + 1, dtype=torch.float32)  # grads, then the loss
@@ -208,8 +213,12 @@ def train_worker(
         for group in optimizer.param_groups:
             group["lr"] = lr
         x, y = sample_batch(
-            corpus.train, batch_size=config.batch, context=config.context,
-            seed=config.seed, step=step, rank=rank,
+            corpus.train,
+            batch_size=config.batch,
+            context=config.context,
+            seed=config.seed,
+            step=step,
+            rank=rank,
         )
         optimizer.zero_grad(set_to_none=True)
         _, loss = model(x, y)
@@ -234,7 +243,8 @@ def train_worker(
             raise RuntimeError(f"step {step}: training loss is {train_loss}")
         grad_norm = (
             float(torch.nn.utils.clip_grad_norm_(params, config.grad_clip))
-            if config.grad_clip > 0 else float(bucket[:numel].norm())
+            if config.grad_clip > 0
+            else float(bucket[:numel].norm())
         )
         optimizer.step()
         record = {
@@ -302,12 +312,9 @@ def launch_local(
     """
     if config.backend == "mpi":
         raise ValueError(
-            f"backend 'mpi' cannot be spawned locally; run "
-            f"'mpirun -n {config.nproc} sparsecomm train --backend mpi'"
+            f"backend 'mpi' cannot be spawned locally; run 'mpirun -n {config.nproc} sparsecomm train --backend mpi'"
         )
-    results = run_local(
-        _rank_main, config.nproc, worker, config, on_step, timeout=config.job_timeout_s
-    )
+    results = run_local(_rank_main, config.nproc, worker, config, on_step, timeout=config.job_timeout_s)
     return results[0]
 
 
@@ -335,17 +342,16 @@ def run_training(config: TrainConfig, *, on_step: OnStep | None = None) -> dict[
         world_size, launcher = config.nproc, "local"
     else:
         if info.world_size != config.nproc:
-            logger.info("launched by %s with %d ranks; nproc=%d ignored",
-                        info.launcher, info.world_size, config.nproc)
+            logger.info("launched by %s with %d ranks; nproc=%d ignored", info.launcher, info.world_size, config.nproc)
         dist.init_process_group(config.backend, timeout=timedelta(seconds=config.comm_timeout_s))
         try:
-            result = train_worker(config, dist.get_rank(), dist.get_world_size(),
-                                  on_step if dist.get_rank() == 0 else None)
+            result = train_worker(
+                config, dist.get_rank(), dist.get_world_size(), on_step if dist.get_rank() == 0 else None
+            )
             rank, world_size = dist.get_rank(), dist.get_world_size()
         finally:
             dist.destroy_process_group()
         if rank != 0:
             return None
         launcher = info.launcher
-    return {**result, "world_size": world_size, "launcher": launcher,
-            "wall_time_s": time.perf_counter() - t0}
+    return {**result, "world_size": world_size, "launcher": launcher, "wall_time_s": time.perf_counter() - t0}

@@ -153,7 +153,9 @@ def _ours(op: str) -> Callable[[torch.Tensor, torch.Tensor], None]:
     return lambda out, inp: dist.reduce_scatter_tensor(out, inp)
 
 
-def _wrong(op: str, fn: Callable[[torch.Tensor, torch.Tensor], None], count: int, n: int, rank: int, dtype: torch.dtype) -> int:
+def _wrong(
+    op: str, fn: Callable[[torch.Tensor, torch.Tensor], None], count: int, n: int, rank: int, dtype: torch.dtype
+) -> int:
     """Run one checked call; return the number of wrong elements on this rank."""
     out, inp = _buffers(op, count, n, dtype)
     if op == "all_gather":

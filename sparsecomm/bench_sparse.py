@@ -129,15 +129,28 @@ def bench_sparse_rank(
                 dense_us = _max_over_ranks([_median_us(_dense_call(op, flat, n), iters, warmup)])[0]
                 for density in densities:
                     row: dict[str, Any] = {
-                        "kind": "sparse", "op": op, "backend": comm.backend, "world_size": n, "numel": numel,
-                        "dtype": dname, "density": density,
+                        "kind": "sparse",
+                        "op": op,
+                        "backend": comm.backend,
+                        "world_size": n,
+                        "numel": numel,
+                        "dtype": dname,
+                        "density": density,
                     }
                     if density >= 1.0:
                         comm.stats.reset()
                         _dense_call(op, flat, n)()
                         wire = comm.stats.get(op).bytes_sent
-                        row.update(time_us=dense_us, pack_us=0.0, unpack_us=0.0, wire_bytes=wire,
-                                   mask_bytes=0, mask_encoding="none", speedup=1.0, **{"#wrong": 0})
+                        row.update(
+                            time_us=dense_us,
+                            pack_us=0.0,
+                            unpack_us=0.0,
+                            wire_bytes=wire,
+                            mask_bytes=0,
+                            mask_encoding="none",
+                            speedup=1.0,
+                            **{"#wrong": 0},
+                        )
                         rows.append(row)
                         continue
                     comm.stats.reset()
@@ -147,8 +160,8 @@ def bench_sparse_rank(
                     call = _sparse_call(op, flat, mask)
                     sparse_us = _median_us(call, iters, warmup)
                     packed = pack(flat, mask)
-                    pack_us = _median_us(lambda: pack(flat, mask, out=packed), iters, 1)
-                    unpack_us = _median_us(lambda: unpack(packed, mask, flat), iters, 1)
+                    pack_us = _median_us(lambda f=flat, m=mask, o=packed: pack(f, m, out=o), iters, 1)
+                    unpack_us = _median_us(lambda f=flat, m=mask, o=packed: unpack(o, m, f), iters, 1)
                     comm.stats.reset()
                     call()
                     wire = comm.stats.get(f"sparse_{op}").bytes_sent
@@ -156,9 +169,16 @@ def bench_sparse_rank(
                     t, p, u = _max_over_ranks([sparse_us, pack_us, unpack_us])
                     bad = torch.tensor([wrong], dtype=torch.int64)
                     dist.all_reduce(bad)
-                    row.update(time_us=t, pack_us=p, unpack_us=u, wire_bytes=wire, mask_bytes=mask_bytes,
-                               mask_encoding=sched.encoding, speedup=dense_us / t if t > 0 else None,
-                               **{"#wrong": int(bad)})
+                    row.update(
+                        time_us=t,
+                        pack_us=p,
+                        unpack_us=u,
+                        wire_bytes=wire,
+                        mask_bytes=mask_bytes,
+                        mask_encoding=sched.encoding,
+                        speedup=dense_us / t if t > 0 else None,
+                        **{"#wrong": int(bad)},
+                    )
                     rows.append(row)
     return rows
 
@@ -190,9 +210,16 @@ def bench_pack(
                 moved = 2 * k * torch.empty((), dtype=dtype).element_size()
                 rows.append(
                     {
-                        "kind": "pack", "kernel": kernel.name, "device": str(device), "numel": numel,
-                        "dtype": dname, "density": density, "k": k, "pack_us": p * 1e6,
-                        "unpack_us": u * 1e6, "GBps": moved / (p + u) / 1e9 if p + u > 0 else None,
+                        "kind": "pack",
+                        "kernel": kernel.name,
+                        "device": str(device),
+                        "numel": numel,
+                        "dtype": dname,
+                        "density": density,
+                        "k": k,
+                        "pack_us": p * 1e6,
+                        "unpack_us": u * 1e6,
+                        "GBps": moved / (p + u) / 1e9 if p + u > 0 else None,
                         "chosen": kernel.name == chosen,
                     }
                 )

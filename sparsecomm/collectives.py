@@ -54,9 +54,7 @@ def _check_mask(comm: Communicator, mask: Any) -> ShardedMask:
     if not isinstance(mask, ShardedMask):
         raise TypeError(f"mask: expected a ShardedMask, got {type(mask).__name__}")
     if mask.world_size != comm.world_size:
-        raise ValueError(
-            f"mask: built for world_size {mask.world_size}, the group has {comm.world_size} ranks"
-        )
+        raise ValueError(f"mask: built for world_size {mask.world_size}, the group has {comm.world_size} ranks")
     return mask
 
 

@@ -37,6 +37,7 @@ from sparsecomm.groups import (
     Group,
     GroupMember,
     ProcessGroupStateError,
+    _int_rank,
     destroy_process_group,
     get_backend,
     get_communicator,
@@ -52,7 +53,6 @@ from sparsecomm.groups import (
     is_initialized,
     new_group,
 )
-from sparsecomm.groups import _int_rank
 from sparsecomm.groups import resolve as _resolve
 from sparsecomm.groups import warn_not_member as _not_member
 from sparsecomm.mask import ShardedMask
@@ -102,7 +102,9 @@ ReduceOp = TorchReduceOp
 
 
 # ---------------------------------------------------------------------------- helpers
-def _group_peer(g: Group, name: str, rank: int | None, group_name: str, group_rank: int | None, *, required: bool = True) -> int | None:
+def _group_peer(
+    g: Group, name: str, rank: int | None, group_name: str, group_rank: int | None, *, required: bool = True
+) -> int | None:
     """Return the group rank given either a global rank or a group rank."""
     if rank is not None and group_rank is not None:
         raise ValueError(f"{name}: pass either {name} or {group_name}, not both")
@@ -162,8 +164,7 @@ def _check_gathered_shape(big_name: str, big: torch.Tensor, small: torch.Tensor,
         ok = len(s) == 0 and b == (n,)
     if not ok:
         raise ValueError(
-            f"{big_name}: shape {list(b)} must be the other tensor's shape {list(s)} "
-            f"concatenated or stacked {n} times"
+            f"{big_name}: shape {list(b)} must be the other tensor's shape {list(s)} concatenated or stacked {n} times"
         )
 
 
@@ -201,7 +202,9 @@ def broadcast(
     return g.communicator.broadcast(tensor, root, async_op=async_op)
 
 
-def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Group | None = None, async_op: bool = False) -> Any:
+def all_gather_into_tensor(
+    output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Group | None = None, async_op: bool = False
+) -> Any:
     """Gather every rank's ``input_tensor`` into ``output_tensor`` (concatenated or stacked).
 
     Collective: every rank of ``group`` must call this.
@@ -218,7 +221,13 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
 all_gather_single = all_gather_into_tensor
 
 
-def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = ReduceOp.SUM, group: Group | None = None, async_op: bool = False) -> Any:
+def reduce_scatter_tensor(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: Any = ReduceOp.SUM,
+    group: Group | None = None,
+    async_op: bool = False,
+) -> Any:
     """Reduce ``input`` across the group and scatter: rank r gets block r in ``output``.
 
     Collective: every rank of ``group`` must call this.
@@ -235,7 +244,9 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = R
 reduce_scatter_single = reduce_scatter_tensor
 
 
-def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Group | None = None, async_op: bool = False) -> Any:
+def all_gather(
+    tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Group | None = None, async_op: bool = False
+) -> Any:
     """Gather every rank's ``tensor`` into ``tensor_list[rank]``.
 
     Collective: every rank of ``group`` must call this.
@@ -258,7 +269,13 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Gro
     return _finish_or_wait(work, finish, async_op)
 
 
-def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: Any = ReduceOp.SUM, group: Group | None = None, async_op: bool = False) -> Any:
+def reduce_scatter(
+    output: torch.Tensor,
+    input_list: list[torch.Tensor],
+    op: Any = ReduceOp.SUM,
+    group: Group | None = None,
+    async_op: bool = False,
+) -> Any:
     """Reduce ``input_list`` element-wise across the group; rank r gets item r in ``output``.
 
     Collective: every rank of ``group`` must call this.
@@ -275,7 +292,9 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: Any
     return g.communicator.reduce_scatter(output, flat, op, async_op=async_op)
 
 
-def barrier(group: Group | None = None, async_op: bool = False, device_ids: Any = None, timeout: timedelta | None = None) -> Any:
+def barrier(
+    group: Group | None = None, async_op: bool = False, device_ids: Any = None, timeout: timedelta | None = None
+) -> Any:
     """Block until every rank of ``group`` reached the barrier.
 
     Collective: every rank of ``group`` must call this.
@@ -299,7 +318,9 @@ def barrier(group: Group | None = None, async_op: bool = False, device_ids: Any 
     return None
 
 
-def isend(tensor: torch.Tensor, dst: int | None = None, group: Group | None = None, tag: int = 0, group_dst: int | None = None) -> Any:
+def isend(
+    tensor: torch.Tensor, dst: int | None = None, group: Group | None = None, tag: int = 0, group_dst: int | None = None
+) -> Any:
     """Send ``tensor`` to global rank ``dst`` (or group rank ``group_dst``) asynchronously."""
     g = _resolve(group)
     if g is None:
@@ -309,7 +330,9 @@ def isend(tensor: torch.Tensor, dst: int | None = None, group: Group | None = No
     return g.communicator.send(tensor, peer, tag=tag, async_op=True)
 
 
-def irecv(tensor: torch.Tensor, src: int | None = None, group: Group | None = None, tag: int = 0, group_src: int | None = None) -> Any:
+def irecv(
+    tensor: torch.Tensor, src: int | None = None, group: Group | None = None, tag: int = 0, group_src: int | None = None
+) -> Any:
     """Receive into ``tensor`` from ``src`` (``None``: any rank) asynchronously."""
     g = _resolve(group)
     if g is None:
@@ -318,14 +341,18 @@ def irecv(tensor: torch.Tensor, src: int | None = None, group: Group | None = No
     return g.communicator.recv(tensor, peer, tag=tag, async_op=True)
 
 
-def send(tensor: torch.Tensor, dst: int | None = None, group: Group | None = None, tag: int = 0, group_dst: int | None = None) -> None:
+def send(
+    tensor: torch.Tensor, dst: int | None = None, group: Group | None = None, tag: int = 0, group_dst: int | None = None
+) -> None:
     """Send ``tensor`` to global rank ``dst`` (or group rank ``group_dst``); blocks until sent."""
     work = isend(tensor, dst, group, tag, group_dst)
     if work is not None:
         work.wait()
 
 
-def recv(tensor: torch.Tensor, src: int | None = None, group: Group | None = None, tag: int = 0, group_src: int | None = None) -> int:
+def recv(
+    tensor: torch.Tensor, src: int | None = None, group: Group | None = None, tag: int = 0, group_src: int | None = None
+) -> int:
     """Receive into ``tensor`` from ``src`` (``None``: any rank).
 
     Returns:
@@ -339,7 +366,6 @@ def recv(tensor: torch.Tensor, src: int | None = None, group: Group | None = Non
     source = g.communicator.recv(tensor, peer, tag=tag, async_op=False)
     assert isinstance(source, int)
     return g.global_ranks[source]
-
 
 
 # ---------------------------------------------------------------------------- sparse collectives
@@ -405,6 +431,4 @@ def sparse_all_reduce(
     g = _resolve(group)
     if g is None:
         return _not_member("sparse_all_reduce")
-    return _sparse.sparse_all_reduce(
-        g.communicator, tensor, mask, op, async_op=async_op, verify_mask=verify_mask
-    )
+    return _sparse.sparse_all_reduce(g.communicator, tensor, mask, op, async_op=async_op, verify_mask=verify_mask)

@@ -42,6 +42,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+
 class ProcessGroupStateError(RuntimeError, ValueError):
     """The default group is missing (call ``init_process_group``) or already exists.
 
@@ -203,8 +204,7 @@ def destroy_process_group(group: Group | None = None) -> None:
         if group is None:
             if _state.world is None:
                 raise ProcessGroupStateError(
-                    "Default process group has not been initialized, "
-                    "please make sure to call init_process_group."
+                    "Default process group has not been initialized, please make sure to call init_process_group."
                 )
             for g in reversed(_state.groups):
                 g.communicator.close()
@@ -227,8 +227,7 @@ def _world() -> Group:
     w = _state.world
     if w is None:
         raise ProcessGroupStateError(
-            "Default process group has not been initialized, "
-            "please make sure to call init_process_group."
+            "Default process group has not been initialized, please make sure to call init_process_group."
         )
     return w
 
@@ -359,8 +358,7 @@ def new_group(
         ranks = list(range(world.size()))
     if backend is not None and str(backend).lower() != world.communicator.backend:
         raise ValueError(
-            f"backend: new_group uses the default group's backend "
-            f"{world.communicator.backend!r}, got {backend!r}"
+            f"backend: new_group uses the default group's backend {world.communicator.backend!r}, got {backend!r}"
         )
     sub = world.communicator.split(list(ranks))
     if sub is None:

@@ -100,9 +100,7 @@ def k_for(numel: int, world_size: int, density: float) -> int:
 
 
 def _is_int_tensor(x: object) -> bool:
-    return isinstance(x, torch.Tensor) and not (
-        x.dtype == torch.bool or x.is_floating_point() or x.is_complex()
-    )
+    return isinstance(x, torch.Tensor) and not (x.dtype == torch.bool or x.is_floating_point() or x.is_complex())
 
 
 def _check_sorted_unique(idx: torch.Tensor, shard_size: int, name: str) -> None:
@@ -158,9 +156,7 @@ class ShardedMask:
         object.__setattr__(self, "indices", idx)
 
     @classmethod
-    def from_pieces(
-        cls, pieces: Sequence[torch.Tensor], numel: int, world_size: int
-    ) -> ShardedMask:
+    def from_pieces(cls, pieces: Sequence[torch.Tensor], numel: int, world_size: int) -> ShardedMask:
         """Builds a mask from one piece per shard (any integer dtype, any device).
 
         Raises:
@@ -260,9 +256,7 @@ class ShardedMask:
             h = hashlib.blake2b(digest_size=8, person=_DIGEST_PERSON)
             h.update(struct.pack("<3q", self.numel, self.world_size, self.k))
             h.update(self.indices.numpy().astype("<i8", copy=False).tobytes())
-            cached = self._cache.setdefault(
-                "digest", int.from_bytes(h.digest(), "little", signed=True)
-            )
+            cached = self._cache.setdefault("digest", int.from_bytes(h.digest(), "little", signed=True))
         assert isinstance(cached, int)
         return cached
 

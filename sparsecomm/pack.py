@@ -221,7 +221,9 @@ def candidates(device: torch.device) -> list[PackKernel]:
     return kernels
 
 
-def time_kernel(kernel: PackKernel, device: torch.device, dtype: torch.dtype, *, n: int = 1 << 22, k: int = 1 << 16, reps: int = 5) -> tuple[float, float]:
+def time_kernel(
+    kernel: PackKernel, device: torch.device, dtype: torch.dtype, *, n: int = 1 << 22, k: int = 1 << 16, reps: int = 5
+) -> tuple[float, float]:
     """Best-of-``reps`` (pack, unpack) seconds of ``kernel`` on ``k`` of ``n`` elements."""
     src = torch.zeros(n, dtype=dtype, device=device)
     idx = torch.randperm(n, device=device)[:k].sort().values

@@ -18,7 +18,9 @@ import sparsecomm.distributed as dist
 from bindings.errors import CollectiveMismatchError, CommError, CommTimeoutError
 
 
-def _expect(exc_type: type[BaseException] | tuple[type[BaseException], ...], needle: str, fn: Callable[[], Any]) -> None:
+def _expect(
+    exc_type: type[BaseException] | tuple[type[BaseException], ...], needle: str, fn: Callable[[], Any]
+) -> None:
     try:
         fn()
     except exc_type as exc:

@@ -28,7 +28,9 @@ SHAPES: tuple[tuple[int, ...], ...] = ((0,), (1,), (7,), (3, 5), (2, 3, 4), (0, 
 OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX")
 
 
-def make_input(seed: int, rank: int, shape: tuple[int, ...], dtype: torch.dtype, *, small: bool = False) -> torch.Tensor:
+def make_input(
+    seed: int, rank: int, shape: tuple[int, ...], dtype: torch.dtype, *, small: bool = False
+) -> torch.Tensor:
     """Deterministic small-integer tensor of (seed, rank)."""
     g = torch.Generator().manual_seed(seed * 1009 + rank * 7919 + 13)
     if small:  # for PRODUCT: values in {-1, 1, 2}

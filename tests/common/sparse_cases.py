@@ -220,7 +220,11 @@ def case_sparse_bad_input(rank: int, ws: int) -> int:
         (ValueError, "output", lambda: dist.sparse_reduce_scatter(x, mask, output=torch.empty(mask.k - 1))),
         (ValueError, "shard_values", lambda: dist.sparse_all_gather(torch.ones(mask.k + 1), mask, out)),
         (ValueError, "numel", lambda: dist.sparse_all_gather(torch.ones(mask.k), mask, torch.zeros(n - 1))),
-        (TypeError, "dtype", lambda: dist.sparse_all_gather(torch.ones(mask.k), mask, torch.zeros(n, dtype=torch.float64))),
+        (
+            TypeError,
+            "dtype",
+            lambda: dist.sparse_all_gather(torch.ones(mask.k), mask, torch.zeros(n, dtype=torch.float64)),
+        ),
         (ValueError, "density", lambda: MaskSchedule(dist.get_communicator(), numel=n, density=0.0)),
         (ValueError, "density", lambda: MaskSchedule(dist.get_communicator(), numel=n, density=1.5)),
         (ValueError, "delay", lambda: MaskSchedule(dist.get_communicator(), numel=n, density=0.1, delay=-1)),

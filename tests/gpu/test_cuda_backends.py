@@ -31,8 +31,8 @@ def _free_port() -> int:
 
 def cuda_body(rank: int, ws: int) -> int:
     """Every collective on CUDA tensors, checked against the expected values."""
-    from bindings.communicator import BaseCommunicator
     import sparsecomm.distributed as dist
+    from bindings.communicator import BaseCommunicator
 
     comm = dist.get_communicator()
     assert isinstance(comm, BaseCommunicator)

@@ -1,8 +1,9 @@
 """Run a worker script of ``tests/mpi/workers`` under ``mpirun`` with a hard deadline.
 
 ``run_mpi("backend_smoke", 4)`` runs
-``mpirun -n 4 --oversubscribe --allow-run-as-root $SPARSECOMM_MPIRUN_ARGS python -m mpi4py
-tests/mpi/workers/backend_smoke.py`` (built by :func:`bindings.spawn.mpirun_python`) from the repository root and returns the
+``mpirun -n 4 --oversubscribe --allow-run-as-root $SPARSECOMM_MPIRUN_ARGS
+python -m mpi4py tests/mpi/workers/backend_smoke.py`` (built by
+:func:`bindings.spawn.mpirun_python`) from the repository root and returns the
 completed process; on timeout it stops mpirun and every rank it started
 (they share mpirun's session) and fails the test with everything the ranks
 printed. Works as root in a container with fewer cores than ranks.
@@ -24,6 +25,7 @@ __all__ = ["ROOT", "run_mpi"]
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKERS = ROOT / "tests" / "mpi" / "workers"
+
 
 def _env(extra_env: Mapping[str, str] | None) -> dict[str, str]:
     env = dict(os.environ)
@@ -120,8 +122,7 @@ def run_mpi(
         _kill_session(proc)
         out, err = proc.communicate()
         pytest.fail(
-            f"{' '.join(cmd)} ran past {timeout:g} s and was killed\n"
-            f"--- stdout ---\n{out}\n--- stderr ---\n{err}",
+            f"{' '.join(cmd)} ran past {timeout:g} s and was killed\n--- stdout ---\n{out}\n--- stderr ---\n{err}",
             pytrace=False,
         )
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

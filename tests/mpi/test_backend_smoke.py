@@ -33,7 +33,5 @@ def test_imports_without_mpi4py() -> None:
         "else:\n"
         "    raise SystemExit('no ImportError')\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

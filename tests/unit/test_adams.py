@@ -268,9 +268,7 @@ def test_t4_single_state_tensor_and_state_dict_contents() -> None:
 
 @pytest.mark.parametrize("bias_correction", [False, True])
 @pytest.mark.parametrize("eps", [1e-8, 1e-30, torch.finfo(torch.float32).tiny])
-def test_t5_zero_gradient_and_zero_momentum_give_no_update(
-    bias_correction: bool, eps: float
-) -> None:
+def test_t5_zero_gradient_and_zero_momentum_give_no_update(bias_correction: bool, eps: float) -> None:
     # Reference §1.4: 0 / (0 + eps) = 0 "as long as eps > 0"; eps = 0 gives 0/0 there
     # (and in the official code), so no eps = 0 case is asserted.
     w0 = torch.randn(3, 4)
@@ -352,9 +350,7 @@ def test_lr_scheduler_drives_the_step_size(make_sched: Callable) -> None:
     assert len(set(lrs)) == len(lrs)  # the schedule really changed lr every step
     ref, m = w0.clone(), torch.zeros_like(w0)
     for t, (g, lr) in enumerate(zip(grads, lrs, strict=True), 1):
-        adams_step_(
-            ref, m, g, lr=lr, step=t, bias_correction=True, **{**HYPER, "weight_decay": 0.1}
-        )
+        adams_step_(ref, m, g, lr=lr, step=t, bias_correction=True, **{**HYPER, "weight_decay": 0.1})
     assert torch.equal(p.detach(), ref)
 
 
@@ -419,9 +415,7 @@ def test_foreach_and_single_tensor_paths_are_bitwise_identical(dtype: torch.dtyp
             opt.step()
         runs[foreach] = (ps, [opt.state[p]["exp_avg"] for p in ps])
     for foreach in (True, None):
-        for a, b in zip(
-            runs[False][0] + runs[False][1], runs[foreach][0] + runs[foreach][1], strict=True
-        ):
+        for a, b in zip(runs[False][0] + runs[False][1], runs[foreach][0] + runs[foreach][1], strict=True):
             assert torch.equal(a, b)
 
 
@@ -443,9 +437,7 @@ def test_functional_core_on_a_strided_view_with_workspace() -> None:
     ref, ref_m = flat.clone(), m.clone()
     g = torch.randn(20)
     ws = torch.empty(10)
-    adams_step_(
-        flat[::2], m[::2], g[::2], lr=0.1, step=1, bias_correction=True, workspace=ws, **HYPER
-    )
+    adams_step_(flat[::2], m[::2], g[::2], lr=0.1, step=1, bias_correction=True, workspace=ws, **HYPER)
     adams_step_(ref[::2], ref_m[::2], g[::2], lr=0.1, step=1, bias_correction=True, **HYPER)
     assert torch.equal(flat, ref) and torch.equal(m, ref_m)
     assert torch.equal(flat[1::2], ref[1::2])
@@ -516,9 +508,7 @@ def test_sparse_gradients_are_rejected() -> None:
         ({"wd_min_ndim": -1}, "wd_min_ndim"),
     ],
 )
-def test_invalid_hyperparameters_raise_value_error_naming_the_argument(
-    kwargs: dict, name: str
-) -> None:
+def test_invalid_hyperparameters_raise_value_error_naming_the_argument(kwargs: dict, name: str) -> None:
     p = nn.Parameter(torch.ones(2))
     with pytest.raises(ValueError, match=f"Invalid {name}"):
         AdamS([p], **kwargs)

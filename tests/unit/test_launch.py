@@ -21,9 +21,7 @@ def test_torchrun() -> None:
 
 
 def test_open_mpi() -> None:
-    info = detect_launch(
-        {"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "2"}
-    )
+    info = detect_launch({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "2"})
     assert info is not None
     assert (info.launcher, info.rank, info.world_size, info.local_rank) == ("openmpi", 2, 4, 2)
     assert info.master_addr is None and info.master_port == 29500

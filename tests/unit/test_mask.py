@@ -346,10 +346,7 @@ def test_overlong_varint_rejected() -> None:
     # 0x80 0x00 is a 2-byte spelling of 0: legal length for shard_size 1000, not canonical
     with pytest.raises(ValueError, match="overlong"):
         decode_piece(torch.tensor([0x80, 0x00], dtype=torch.uint8), 1000, 1, "delta-varint")
-    assert (
-        decode_piece(torch.tensor([0x80, 0x01], dtype=torch.uint8), 1000, 1, "delta-varint")[0]
-        == 128
-    )
+    assert decode_piece(torch.tensor([0x80, 0x01], dtype=torch.uint8), 1000, 1, "delta-varint")[0] == 128
 
 
 def test_decode_checks_payload_type() -> None:
@@ -367,9 +364,7 @@ def test_choose_encoding_picks_smallest_with_fixed_ties() -> None:
         choice = choose_encoding(piece, shard_size)
         sizes = {e: encoded_size(piece, shard_size, e) for e in ENCODINGS}
         assert sizes[choice] == min(sizes.values())
-        assert ENCODINGS.index(choice) == min(
-            ENCODINGS.index(e) for e in ENCODINGS if sizes[e] == sizes[choice]
-        )
+        assert ENCODINGS.index(choice) == min(ENCODINGS.index(e) for e in ENCODINGS if sizes[e] == sizes[choice])
     g = torch.Generator().manual_seed(0)
     dense = torch.randperm(shard_size, generator=g)[: shard_size // 2].sort().values
     sparse = torch.randperm(shard_size, generator=g)[: shard_size // 1000].sort().values

@@ -343,18 +343,13 @@ def stats_bytes(c: MPICommunicator) -> None:
     c.stats.reset()
     c.all_reduce(torch.ones(1000))
     c.all_reduce(noncontig(torch.ones(10, 10, dtype=torch.bfloat16)))
-    c.reduce_scatter(
-        torch.empty(100, dtype=torch.float64), torch.ones(100 * n, dtype=torch.float64)
-    )
+    c.reduce_scatter(torch.empty(100, dtype=torch.float64), torch.ones(100 * n, dtype=torch.float64))
     c.all_gather(torch.empty(50 * n, dtype=torch.int16), torch.ones(50, dtype=torch.int16))
     c.broadcast(torch.ones(64, dtype=torch.uint8), n - 1)
     c.barrier()
     want = {
         "all_reduce": [
-            a + b
-            for a, b in zip(
-                ring_bytes("all_reduce", 4000, n), ring_bytes("all_reduce", 200, n), strict=True
-            )
+            a + b for a, b in zip(ring_bytes("all_reduce", 4000, n), ring_bytes("all_reduce", 200, n), strict=True)
         ],
         "reduce_scatter": list(ring_bytes("reduce_scatter", 800, n)),
         "all_gather": list(ring_bytes("all_gather", 100, n)),
