@@ -16,6 +16,7 @@ import sparsecomm.distributed as dist
 from bindings.stats import ring_bytes
 from sparsecomm.mask import ShardedMask, shard_size_for, topk_piece
 from sparsecomm.schedule import MaskSchedule
+from tests.common.bad_input_cases import _expect
 
 DENSITIES = (1.0, 0.5, 0.1, 0.01, 0.001)
 SIZES = (1, 7, 1001, 10007)
@@ -194,15 +195,6 @@ def _provenance_steps(sched: MaskSchedule, rank: int, ws: int, n: int, delay: in
         sched.propose(step, _scores(step, rank, ws, n))
         assert sched.pending_steps[-1] == step + 1 + delay
     return checks
-
-
-def _expect(exc: type[BaseException], needle: str, fn: Callable[[], Any]) -> None:
-    try:
-        fn()
-    except exc as e:
-        assert needle in str(e), f"{e!r} does not name {needle!r}"
-        return
-    raise AssertionError(f"expected {exc.__name__} naming {needle!r}")
 
 
 def case_sparse_bad_input(rank: int, ws: int) -> int:
