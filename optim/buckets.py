@@ -1,0 +1,151 @@
+"""Flat-buffer and shard bookkeeping for the sharded optimizers (ZeRO-1 layout).
+
+All parameters of an optimizer (every param group, in order) are viewed as one
+flat buffer of N elements, padded to P * shard_size (``shard_size = ceil(N/P)``).
+Rank r owns the contiguous shard ``[r * shard_size, (r + 1) * shard_size)``; its
+real elements are those below N, the rest is padding that is never updated.
+
+A shard is cut into *segments*: maximal runs of consecutive real elements that
+belong to the same param group and the same weight-decay rule (decay applies to
+parameters with ``p.dim() >= wd_min_ndim``). The optimizers call the per-element
+update once per segment with scalar hyperparameters, which is bitwise the same as
+running the update per parameter (all the update's ops are elementwise).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["FlatBucket", "Segment"]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run ``[lo, hi)`` of shard-local positions sharing a group and a decay rule."""
+
+    lo: int
+    hi: int
+    group: int
+    decay: bool
+
+
+class FlatBucket:
+    """One flat fp32 view of the parameters of ``param_groups``, sharded over ``world_size``.
+
+    Args:
+        param_groups: The optimizer's param groups (dicts with ``"params"`` and
+            ``"wd_min_ndim"``).
+        rank: This rank.
+        world_size: Number of shards P.
+
+    Raises:
+        ValueError: No parameters, a parameter listed twice, or parameters of
+            different dtypes or devices (raised before any communication).
+    """
+
+    def __init__(self, param_groups: Sequence[dict[str, Any]], rank: int, world_size: int) -> None:
+        params: list[Tensor] = []
+        groups: list[int] = []
+        for gi, group in enumerate(param_groups):
+            for p in group["params"]:
+                params.append(p)
+                groups.append(gi)
+        if not params:
+            raise ValueError("params: the optimizer got no parameters")
+        if len({id(p) for p in params}) != len(params):
+            raise ValueError("params: a parameter appears more than once")
+        kinds = {(p.dtype, p.device) for p in params}
+        if len(kinds) != 1:
+            raise ValueError(
+                "params: all parameters must share one dtype and device, got "
+                + ", ".join(sorted(f"{d}/{v}" for d, v in kinds))
+            )
+        for p in params:
+            if not p.is_floating_point():
+                raise ValueError(f"params: floating-point parameters required, got {p.dtype}")
+        self.params = params
+        self.dtype, self.device = params[0].dtype, params[0].device
+        self.rank, self.world_size = rank, world_size
+        self.offsets: list[int] = []
+        n = 0
+        for p in params:
+            self.offsets.append(n)
+            n += p.numel()
+        if n == 0:
+            raise ValueError("params: the parameters hold no elements")
+        self.numel = n
+        self.shard_size = -(-n // world_size)
+        self.padded_numel = self.shard_size * world_size
+        self.shard_lo = rank * self.shard_size
+        self.real = max(0, min(self.shard_size, n - self.shard_lo))
+        self.segments = self._segments(param_groups, groups)
+
+    def _segments(self, param_groups: Sequence[dict[str, Any]], groups: list[int]) -> list[Segment]:
+        lo_g, hi_g = self.shard_lo, self.shard_lo + self.real
+        out: list[Segment] = []
+        for p, off, gi in zip(self.params, self.offsets, groups, strict=True):
+            a, b = max(off, lo_g), min(off + p.numel(), hi_g)
+            if a >= b:
+                continue
+            decay = p.dim() >= param_groups[gi]["wd_min_ndim"]
+            seg = Segment(a - lo_g, b - lo_g, gi, decay)
+            if out and out[-1].hi == seg.lo and (out[-1].group, out[-1].decay) == (gi, decay):
+                seg = Segment(out[-1].lo, seg.hi, gi, decay)
+                out[-1] = seg
+            else:
+                out.append(seg)
+        return out
+
+    # ------------------------------------------------------------------ flat buffers
+    def new_flat(self) -> Tensor:
+        """A zeroed fp32 buffer of ``padded_numel`` elements on the params' device."""
+        return torch.zeros(self.padded_numel, dtype=torch.float32, device=self.device)
+
+    def gather_grads(self, out: Tensor) -> Tensor:
+        """Fill ``out`` (padded flat fp32) with the params' grads; ``None`` grads give 0."""
+        for p, off in zip(self.params, self.offsets, strict=True):
+            dst = out[off : off + p.numel()]
+            if p.grad is None:
+                dst.zero_()
+            else:
+                if p.grad.is_sparse:
+                    raise RuntimeError("sparse gradients are not supported; use dense ones")
+                dst.copy_(p.grad.detach().reshape(-1))
+        out[self.numel :].zero_()
+        return out
+
+    def gather_params(self, out: Tensor) -> Tensor:
+        """Fill ``out`` (padded flat fp32) with the current parameter values."""
+        for p, off in zip(self.params, self.offsets, strict=True):
+            out[off : off + p.numel()].copy_(p.detach().reshape(-1))
+        out[self.numel :].zero_()
+        return out
+
+    @torch.no_grad()
+    def write_params(self, flat: Tensor) -> None:
+        """Copy ``flat`` (at least N elements) into the parameters (cast to their dtype)."""
+        for p, off in zip(self.params, self.offsets, strict=True):
+            p.copy_(flat[off : off + p.numel()].view(p.shape))
+
+    def own_slice(self, flat: Tensor) -> Tensor:
+        """This rank's shard (``shard_size`` elements) of a padded flat buffer."""
+        return flat[self.shard_lo : self.shard_lo + self.shard_size]
+
+    # ------------------------------------------------------------------ identity
+    def fingerprint(self, extra: str = "") -> int:
+        """A 62-bit digest of the parameter count, shapes and dtype (plus ``extra``)."""
+        h = hashlib.blake2b(digest_size=8, person=b"optim.buckets.fp")
+        h.update(struct.pack("<q", len(self.params)))
+        for p in self.params:
+            h.update(struct.pack("<q", p.dim()))
+            h.update(struct.pack(f"<{p.dim()}q", *p.shape))
+        h.update(str(self.dtype).encode())
+        h.update(extra.encode())
+        return int.from_bytes(h.digest(), "little") >> 2
