@@ -94,15 +94,19 @@ def _rank_dense_equivalence(rank: int, ws: int, steps: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3])
-def test_density_one_equals_sharded_and_single_process(world_size: int) -> None:
-    res = run_ranks(_rank_dense_equivalence, world_size, 5, timeout=120, op_timeout=60)
+def check_dense_equivalence(res: list[dict]) -> None:
+    """Assertions on the per-rank results of :func:`_rank_dense_equivalence`."""
     for r in res:
         assert all(r["scape_eq_sharded"]), r["scape_eq_sharded"]
         assert all(r["sharded_eq_ref"]), r["sharded_eq_ref"]
         assert all(r["adamw_eq_ref"]), r["adamw_eq_ref"]
         assert r["sparse_calls"] == 0
         assert r["digests"] == res[0]["digests"]  # replicas identical after every step
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_density_one_equals_sharded_and_single_process(world_size: int) -> None:
+    check_dense_equivalence(run_ranks(_rank_dense_equivalence, world_size, 5, timeout=120, op_timeout=60))
 
 
 # ---------------------------------------------------------------------------- sparse steps
@@ -112,8 +116,7 @@ def _rank_sparse(rank: int, ws: int, delay: int, policy: str, poison: bool) -> d
 
     ps = _params()
     beta1 = 0.9
-    opt = SCAPE(ps, lr=0.05, weight_decay=0.1, density=0.2, mask_delay=delay,
-                warmup_steps=2, unselected=policy)
+    opt = SCAPE(ps, lr=0.05, weight_decay=0.1, density=0.2, mask_delay=delay, warmup_steps=2, unselected=policy)
     b = opt.bucket
     stats = opt.communicator.stats
     m = opt.shard_state["exp_avg"]
@@ -146,8 +149,7 @@ def _rank_sparse(rank: int, ws: int, delay: int, policy: str, poison: bool) -> d
         check("finite", bool(torch.isfinite(after).all()) and bool(torch.isfinite(m).all()))
         check("last_mask", opt.last_mask is mask)
         # T12: this rank's replica equals its master shard on every real coordinate
-        check("replica_eq_master", torch.equal(after[b.shard_lo : b.shard_lo + b.real],
-                                               opt.master_shard[: b.real]))
+        check("replica_eq_master", torch.equal(after[b.shard_lo : b.shard_lo + b.real], opt.master_shard[: b.real]))
         out["digests"].append(_digest(after))
         out["masks"].append(None if mask is None else mask.digest())
         if mask is not None:
@@ -176,10 +178,13 @@ def _rank_sparse(rank: int, ws: int, delay: int, policy: str, poison: bool) -> d
                 for k in stats1
                 if stats1[k]["calls"] != stats0.get(k, {}).get("calls", 0)
             }
-            check("collectives", diff.get("sparse_reduce_scatter") == 1
-                  and diff.get("sparse_all_gather") == 1
-                  and diff.get("mask_sync", 0) <= 1
-                  and set(diff) <= {"sparse_reduce_scatter", "sparse_all_gather", "mask_sync"})
+            check(
+                "collectives",
+                diff.get("sparse_reduce_scatter") == 1
+                and diff.get("sparse_all_gather") == 1
+                and diff.get("mask_sync", 0) <= 1
+                and set(diff) <= {"sparse_reduce_scatter", "sparse_all_gather", "mask_sync"},
+            )
         m_hist[t] = m[: b.real].clone()
     opt.close()
     return out
@@ -190,7 +195,11 @@ def _rank_sparse(rank: int, ws: int, delay: int, policy: str, poison: bool) -> d
     [(1, 1, "freeze"), (2, 1, "freeze"), (3, 0, "decay_m"), (4, 1, "freeze")],
 )
 def test_sparse_step_invariants(world_size: int, delay: int, policy: str) -> None:
-    res = run_ranks(_rank_sparse, world_size, delay, policy, True, timeout=120, op_timeout=60)
+    check_sparse(run_ranks(_rank_sparse, world_size, delay, policy, True, timeout=120, op_timeout=60), delay)
+
+
+def check_sparse(res: list[dict], delay: int) -> None:
+    """Assertions on the per-rank results of :func:`_rank_sparse`."""
     for r in res:
         assert r["checks"] and all(r["checks"].values()), r["checks"]
         assert r["sparse_steps"] == 7
@@ -229,8 +238,17 @@ def _run_scape(rank: int, steps: int, split: int | None, kw: dict) -> str:
 
 
 def _rank_resume(rank: int, ws: int) -> dict:
-    kw = dict(lr=0.05, weight_decay=0.1, density=0.25, mask_delay=1, warmup_steps=2,
-              error_feedback=True, refresh_every=5, max_grad_norm=20.0, unselected="decay_m")
+    kw = dict(
+        lr=0.05,
+        weight_decay=0.1,
+        density=0.25,
+        mask_delay=1,
+        warmup_steps=2,
+        error_feedback=True,
+        refresh_every=5,
+        max_grad_norm=20.0,
+        unselected="decay_m",
+    )
     kw0 = dict(kw, mask_delay=0, error_feedback=False, unselected="freeze", refresh_every=0)
     return {
         "a": _run_scape(rank, 10, None, kw),
@@ -256,8 +274,7 @@ def _rank_error_feedback(rank: int, ws: int) -> dict:
     from optim.scape import SCAPE
 
     ps = _params()
-    opt = SCAPE(ps, lr=0.05, density=0.2, mask_delay=1, warmup_steps=2, refresh_every=6,
-                error_feedback=True)
+    opt = SCAPE(ps, lr=0.05, density=0.2, mask_delay=1, warmup_steps=2, refresh_every=6, error_feedback=True)
     e = torch.zeros(opt.bucket.padded_numel)
     total_g = torch.zeros(opt.bucket.padded_numel, dtype=torch.float64)
     total_sent = torch.zeros_like(total_g)
@@ -311,16 +328,11 @@ def _rank_bad_input(rank: int, ws: int) -> dict:
         "delay": outcome(lambda: SCAPE(_params(), mask_delay=-1)),
         "warmup": outcome(lambda: SCAPE(_params(), warmup_steps=-2)),
         "policy": outcome(lambda: SCAPE(_params(), unselected="zero")),
-        "extra_param": outcome(
-            lambda: SCAPE(_params() + ([torch.nn.Parameter(torch.zeros(2))] if rank == 1 else []))
-        ),
-        "shape": outcome(
-            lambda: ShardedAdamS([torch.nn.Parameter(torch.zeros(6 if rank else 5, 2))])
-        ),
+        "extra_param": outcome(lambda: SCAPE(_params() + ([torch.nn.Parameter(torch.zeros(2))] if rank == 1 else []))),
+        "shape": outcome(lambda: ShardedAdamS([torch.nn.Parameter(torch.zeros(6 if rank else 5, 2))])),
         "setting": outcome(lambda: SCAPE(_params(), density=0.1 if rank else 0.2)),
         "dtype": outcome(
-            lambda: SCAPE([torch.nn.Parameter(torch.zeros(3)),
-                           torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))])
+            lambda: SCAPE([torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))])
         ),
     }
     ps = _params()  # the group still works afterwards
@@ -336,7 +348,6 @@ def _rank_bad_input(rank: int, ws: int) -> dict:
 def test_bad_input_raises_on_every_rank() -> None:
     res = run_ranks(_rank_bad_input, 2, timeout=120, op_timeout=30)
     for r in res:
-        for key in ("density0", "density1.5", "delay", "warmup", "policy", "extra_param",
-                    "shape", "setting", "dtype"):
+        for key in ("density0", "density1.5", "delay", "warmup", "policy", "extra_param", "shape", "setting", "dtype"):
             assert r[key].startswith("ValueError"), (key, r[key])
         assert r["after"] == res[0]["after"]
