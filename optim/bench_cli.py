@@ -12,10 +12,18 @@ from typing import Any
 import torch
 
 from bindings.spawn import LocalRunError
+from optim.convergence import DEFAULT_DENSITIES, run_convergence
+from optim.train import TrainConfig
 from sparsecomm.bench import OPS, CollectivesBenchConfig, run_collectives_bench
 from sparsecomm.bench_sparse import bench_pack
 
-__all__ = ["add_bench_parser", "parse_size", "format_collectives_table"]
+__all__ = [
+    "add_bench_parser",
+    "parse_size",
+    "format_collectives_table",
+    "format_convergence_table",
+    "write_convergence_plot",
+]
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "G": 1 << 30, "GB": 1 << 30}
 
@@ -148,6 +156,175 @@ def _write_json(path_text: str | None, rows: list[dict[str, Any]]) -> None:
     print(f"wrote {path}")
 
 
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB"):
+        if abs(n) < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.2f} GB"
+
+
+def _densities(text: str) -> tuple[float, ...]:
+    try:
+        items = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of densities, got {text!r}") from None
+    if not items or any(not 0.0 < d <= 1.0 for d in items):
+        raise argparse.ArgumentTypeError(f"densities must be in (0, 1], got {text!r}")
+    return items
+
+
+def format_convergence_table(bench: dict[str, Any]) -> str:
+    """Render one line per run: final val loss, ratio to AdamS, wire bytes/step, step time, loss rise.
+
+    ``wire/step`` is rank 0's mean sent bytes over all steps (dense warm-up included, plus the
+    loss all-reduce), ``opt_wire/step`` the same without the loss all-reduce, ``sparse/step``
+    the mean over SCAPE's sparse steps only.
+    """
+    head = (
+        f"{'run':>12} {'final_val':>9} {'vs_adams':>8} {'wire/step':>10} {'opt_wire/step':>13} "
+        f"{'sparse/step':>11} {'step_ms':>8} {'max_rise':>8} {'@step':>6} {'target':>8}"
+    )
+    lines = [head]
+    for r in bench["runs"]:
+        t = bench["targets"].get(r["name"])
+        mark = "" if t is None else f"{'ok' if t['met'] else 'MISS'}<={t['max_ratio']:g}"
+        at = "-" if r["largest_loss_rise_step"] is None else str(r["largest_loss_rise_step"])
+        sp = "-" if r["sparse_step_wire_bytes"] is None else _fmt_bytes(r["sparse_step_wire_bytes"])
+        lines.append(
+            f"{r['name']:>12} {r['final_val_loss']:>9.4f} {r['ratio_to_adams']:>8.4f} "
+            f"{_fmt_bytes(r['wire_bytes_per_step']):>10} {_fmt_bytes(r['optimizer_wire_bytes_per_step']):>13} "
+            f"{sp:>11} {r['mean_step_time_s'] * 1e3:>8.1f} {r['largest_loss_rise']:>8.3f} {at:>6} {mark:>8}"
+        )
+    return "\n".join(lines)
+
+
+def write_convergence_plot(bench: dict[str, Any], path: str | Path) -> Path:
+    """Draw every run's validation loss against step into a PNG (matplotlib, Agg canvas)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7.5, 4.8), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for r in bench["runs"]:
+        evals = r["evals"]
+        label = f"{r['name']} (final {r['final_val_loss']:.3f}, x{r['ratio_to_adams']:.3f} AdamS)"
+        ax.plot([e["step"] for e in evals], [e["val_loss"] for e in evals], "o-", ms=3, lw=1.4, label=label)
+    base = bench["base_config"]
+    ax.set_title(
+        f"validation loss, {base['nproc']} ranks, {base['steps']} steps, seed {base['seed']}, "
+        f"d_model {base['d_model']} x {base['n_layers']} layers",
+        fontsize=10,
+    )
+    finals = [r["final_val_loss"] for r in bench["runs"]]
+    lo, hi = min(finals), max(max(finals), min(r["initial_val_loss"] for r in bench["runs"]))
+    ax.set_ylim(lo - 0.1 * (hi - lo) - 0.05, hi + 0.05 * (hi - lo) + 0.05)
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats / byte)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out)
+    return out
+
+
+def _cmd_convergence(args: argparse.Namespace) -> int:
+    try:
+        base = TrainConfig(
+            steps=args.steps,
+            nproc=args.nproc,
+            seed=args.seed,
+            lr=args.lr,
+            warmup_steps=args.warmup,
+            sparse_warmup_steps=args.warmup_steps,
+            mask_delay=args.mask_delay,
+            unselected=args.unselected,
+            error_feedback=args.error_feedback,
+            refresh_every=args.refresh_every,
+            batch=args.batch,
+            context=args.context,
+            d_model=args.d_model,
+            n_layers=args.layers,
+            n_heads=args.heads,
+            eval_interval=args.eval_interval,
+            eval_batches=args.eval_batches,
+            max_corpus_bytes=args.max_corpus_bytes,
+            data=args.data,
+            threads=args.threads,
+            job_timeout_s=args.timeout,
+            out=args.out,
+        )
+    except ValueError as exc:
+        args.cmd_parser.error(str(exc))
+    if args.data is not None and not Path(args.data).is_file():
+        args.cmd_parser.error(f"--data: file not found: {args.data}")
+
+    def progress(r: dict[str, Any]) -> None:
+        print(
+            f"{r['name']}: final validation loss {r['final_val_loss']:.4f}, "
+            f"{r['mean_step_time_s'] * 1e3:.0f} ms/step, {r['wall_time_s']:.0f} s",
+            flush=True,
+        )
+
+    try:
+        bench = run_convergence(base, args.densities, on_run=progress)
+    except LocalRunError as exc:
+        print(f"sparsecomm bench convergence: error: {exc}", file=sys.stderr)
+        return 1
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine()}
+    json_path = out / "convergence.json"
+    json_path.write_text(json.dumps({**bench, "env": meta}, indent=1) + "\n")
+    png_path = write_convergence_plot(bench, out / "convergence.png")
+    print(f"# {base.nproc} ranks, {base.steps} steps, same seed and data order; ratios to dense ShardedAdamS")
+    print(format_convergence_table(bench))
+    print(f"total {bench['wall_time_s']:.0f} s; wrote {json_path}, {png_path}")
+    return 0
+
+
+def _add_convergence_parser(inner: Any) -> None:
+    d = TrainConfig()
+    p = inner.add_parser(
+        "convergence",
+        help="train with ShardedAdamW, ShardedAdamS and SCAPE at several densities; compare losses",
+        description="Runs the training job (same seed and data order) with ShardedAdamW, ShardedAdamS and "
+        "SCAPE at each density; writes OUT/convergence.json and OUT/convergence.png and prints a table.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps per run")
+    p.add_argument("--out", metavar="DIR", default="runs/convergence", help="output directory")
+    p.add_argument(
+        "--densities",
+        type=_densities,
+        default=DEFAULT_DENSITIES,
+        help="comma list of SCAPE densities (default " + ",".join(f"{x:g}" for x in DEFAULT_DENSITIES) + ")",
+    )
+    p.add_argument("--nproc", type=int, default=d.nproc, help="local ranks")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of init and data order")
+    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
+    p.add_argument("--warmup", type=int, default=d.warmup_steps, help="learning-rate warm-up steps")
+    p.add_argument("--warmup-steps", type=int, default=d.sparse_warmup_steps, help="SCAPE: dense steps first")
+    p.add_argument("--mask-delay", type=int, default=d.mask_delay, help="SCAPE: mask delay D")
+    p.add_argument("--unselected", choices=("freeze", "decay_m"), default=d.unselected, help="SCAPE: unselected policy")
+    p.add_argument("--error-feedback", action="store_true", help="SCAPE: keep the unsent gradient as a residual")
+    p.add_argument("--refresh-every", type=int, default=d.refresh_every, help="SCAPE: dense step every N (0: never)")
+    p.add_argument("--batch", type=int, default=d.batch, help="sequences per rank per step")
+    p.add_argument("--context", type=int, default=d.context, help="tokens per sequence")
+    p.add_argument("--d-model", type=int, default=d.d_model, help="model width")
+    p.add_argument("--layers", type=int, default=d.n_layers, help="transformer blocks")
+    p.add_argument("--heads", type=int, default=d.n_heads, help="attention heads")
+    p.add_argument("--eval-interval", type=int, default=d.eval_interval, help="steps between validation passes")
+    p.add_argument("--eval-batches", type=int, default=d.eval_batches, help="validation batches per rank per pass")
+    p.add_argument("--max-corpus-bytes", type=int, default=d.max_corpus_bytes, help="size cap of the corpus")
+    p.add_argument("--data", metavar="FILE", default=None, help="text file to train on")
+    p.add_argument("--threads", type=int, default=d.threads, help="torch threads per rank")
+    p.add_argument("--timeout", type=float, default=d.job_timeout_s, help="deadline of each run, seconds")
+    p.set_defaults(func=_cmd_convergence, cmd_parser=p)
+
+
 def add_bench_parser(subparsers: Any) -> None:
     """Register ``bench`` and its sub-subcommands."""
     bench = subparsers.add_parser("bench", help="run a benchmark")
@@ -195,3 +372,5 @@ def add_bench_parser(subparsers: Any) -> None:
     q.add_argument("--dtype", type=_csv(("float32", "bfloat16", "float16", "float64")), default=("float32", "bfloat16"))
     q.add_argument("--json", metavar="FILE", help="also write the rows as a JSON list")
     q.set_defaults(func=_cmd_pack, cmd_parser=q)
+
+    _add_convergence_parser(inner)

@@ -27,7 +27,7 @@ import torch
 import sparsecomm
 from bindings.spawn import LocalRunError
 from optim.bench_cli import add_bench_parser
-from optim.train import TrainConfig, run_training
+from optim.train import OPTIMIZERS, TrainConfig, run_training, wire_bytes_summary
 
 __all__ = [
     "main",
@@ -90,10 +90,10 @@ def build_report(config: TrainConfig, result: dict[str, Any]) -> dict[str, Any]:
     """
     steps = result["steps"]
     evals = result["evals"]
-    sent = [s["bytes_sent"] for s in steps]
     last = [s["train_loss"] for s in steps[-10:]]
     return {
         "config": dataclasses.asdict(config),
+        "optimizer": result.get("optimizer", config.optimizer_config()),
         "world_size": result["world_size"],
         "backend": config.backend,
         "launcher": result["launcher"],
@@ -115,13 +115,7 @@ def build_report(config: TrainConfig, result: dict[str, Any]) -> dict[str, Any]:
             "initial_val_loss": evals[0]["val_loss"],
             "val_loss": evals[-1]["val_loss"],
         },
-        "wire_bytes": {
-            "per_step": sum(sent) / len(sent),
-            "total": sum(sent),
-            "total_received": sum(s["bytes_received"] for s in steps),
-            "bucket_bytes": result["bucket_bytes"],
-            "note": "bytes rank 0 sent in training steps (ring convention, bindings.stats)",
-        },
+        "wire_bytes": wire_bytes_summary(steps, result["bucket_bytes"]),
         "comm_stats": result["comm_stats"],
         "steps": steps,
         "evals": evals,
@@ -160,7 +154,8 @@ def write_loss_plot(report: dict[str, Any], path: str | Path) -> Path:
     )
     model = report["model"]
     ax.set_title(
-        f"{report['world_size']} ranks ({report['backend']}), {model['num_parameters']:,} params, "
+        f"{report['optimizer']['name']}, {report['world_size']} ranks ({report['backend']}), "
+        f"{model['num_parameters']:,} params, "
         f"batch {report['config']['batch']}x{model['context']} per rank",
         fontsize=10,
     )
@@ -206,7 +201,8 @@ def _add_train_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
         "train",
         help="train a small GPT on local CPU ranks",
         description="Data-parallel training of a small byte-level GPT over sparsecomm.distributed "
-        "(gradient all-reduce, AdamW). Spawns --nproc local ranks, or runs as one rank when "
+        "(the optimizer synchronizes the gradients: ZeRO-1 AdamW / AdamS, or sparse SCAPE). "
+        "Spawns --nproc local ranks, or runs as one rank when "
         "started by torchrun / mpirun / srun. Writes OUT/report.json and OUT/report.png.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -221,8 +217,22 @@ def _add_train_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
     )
     p.add_argument("--out", metavar="DIR", default=d.out, help="output directory")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of init and data order")
+    p.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default=d.optimizer,
+        help="adamw: ShardedAdamW, adams: ShardedAdamS, scape: SCAPE (sparse), "
+        "allreduce-adamw: bucket all-reduce + torch AdamW",
+    )
+    p.add_argument("--density", type=float, default=d.density, help="SCAPE: fraction synchronized per sparse step")
+    p.add_argument("--warmup-steps", type=int, default=d.sparse_warmup_steps, help="SCAPE: dense steps first")
+    p.add_argument("--mask-delay", type=int, default=d.mask_delay, help="SCAPE: mask delay D")
+    p.add_argument("--unselected", choices=("freeze", "decay_m"), default=d.unselected, help="SCAPE: unselected policy")
+    p.add_argument("--error-feedback", action="store_true", help="SCAPE: keep the unsent gradient as a residual")
+    p.add_argument("--refresh-every", type=int, default=d.refresh_every, help="SCAPE: dense step every N (0: never)")
+    p.add_argument("--grad-clip", type=float, default=d.grad_clip, help="global gradient-norm clip (0: off)")
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
-    p.add_argument("--warmup", type=int, default=d.warmup_steps, help="warm-up steps")
+    p.add_argument("--warmup", type=int, default=d.warmup_steps, help="learning-rate warm-up steps")
     p.add_argument("--batch", type=int, default=d.batch, help="sequences per rank per step")
     p.add_argument("--context", type=int, default=d.context, help="tokens per sequence")
     p.add_argument("--d-model", type=int, default=d.d_model, help="model width")
@@ -246,6 +256,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
             backend=args.backend,
             lr=args.lr,
             warmup_steps=args.warmup,
+            grad_clip=args.grad_clip,
+            optimizer=args.optimizer,
+            density=args.density,
+            sparse_warmup_steps=args.warmup_steps,
+            mask_delay=args.mask_delay,
+            unselected=args.unselected,
+            error_feedback=args.error_feedback,
+            refresh_every=args.refresh_every,
             batch=args.batch,
             context=args.context,
             d_model=args.d_model,
@@ -280,8 +298,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
         f"wall time {report['wall_time_s']:.1f} s (training {report['train_time_s']:.1f} s, "
         f"{report['mean_step_time_s'] * 1e3:.0f} ms/step), "
         f"{report['world_size']} ranks over {report['backend']}\n"
-        f"wire bytes per step {_fmt_bytes(wire['per_step'])} sent per rank, "
-        f"total {_fmt_bytes(wire['total'])}\n"
+        f"optimizer {report['optimizer']['name']} ({report['optimizer']['class']}); wire bytes per step "
+        f"{_fmt_bytes(wire['per_step'])} sent per rank ("
+        + ", ".join(f"{op} {_fmt_bytes(v['per_step'])}" for op, v in wire["by_op"].items())
+        + f"), total {_fmt_bytes(wire['total'])}\n"
         f"report: {json_path}, {png_path}"
     )
     return 0

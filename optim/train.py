@@ -1,11 +1,22 @@
 """A data-parallel training job over :mod:`sparsecomm.distributed`.
 
 Every rank holds the whole model (identical seeded initialisation, checked
-with a broadcast), draws its own batch of ``(seed, step, rank)``, and after the
-backward pass all-reduces one flat bucket of every gradient with
-``ReduceOp.AVG`` before a :class:`torch.optim.AdamW` step. The last element
-of the bucket carries the rank's loss, so one collective per step also yields
-the rank-averaged training loss.
+with a broadcast) and draws its own batch of ``(seed, step, rank)``. The
+optimizer (``TrainConfig.optimizer``) decides how gradients are synchronized:
+
+* ``adamw`` (:class:`optim.ShardedAdamW`), ``adams`` (:class:`optim.ShardedAdamS`)
+  and ``scape`` (:class:`optim.SCAPE`) synchronize inside ``step()`` (ZeRO-1
+  reduce-scatter / all-gather, sparse for SCAPE) and clip the global norm of
+  the synchronized gradient themselves (``max_grad_norm``). The rank-averaged
+  training loss then takes its own one-element all-reduce, counted under the
+  stats scope ``loss``.
+* ``allreduce-adamw`` (the original job): one flat bucket of every gradient
+  plus the loss in the last element is all-reduced with ``ReduceOp.AVG``,
+  clipped, then a :class:`torch.optim.AdamW` step.
+
+Every step record carries the wire bytes of that step split by operation
+(deltas of ``CommStats.as_dict()``); evaluation and the start-up check are
+counted under the scopes ``eval`` and ``init``, outside the step window.
 
 Entry points:
 
@@ -33,18 +44,26 @@ from bindings.launch import detect_launch
 from bindings.spawn import run_local
 from optim.data import DEFAULT_MAX_BYTES, VOCAB_SIZE, Corpus, load_corpus, sample_batch
 from optim.model import GPT, GPTConfig
+from optim.scape import SCAPE, ShardedAdamS, ShardedAdamW
 
 __all__ = [
+    "OPTIMIZERS",
     "TrainConfig",
     "OnStep",
     "Worker",
     "lr_at",
+    "build_optimizer",
+    "wire_bytes_summary",
     "train_worker",
     "launch_local",
     "run_training",
 ]
 
 logger = logging.getLogger(__name__)
+
+OPTIMIZERS = ("adamw", "adams", "scape", "allreduce-adamw")
+"""Choices of ``TrainConfig.optimizer``: ShardedAdamW, ShardedAdamS, SCAPE, and the
+original bucket all-reduce + :class:`torch.optim.AdamW`."""
 
 OnStep = Callable[[dict[str, Any]], None]
 """Per-step callback; receives the step record (plus ``val_loss`` on evaluation steps)."""
@@ -62,8 +81,17 @@ class TrainConfig:
     lr: float = 3e-3  # Peak learning rate.
     min_lr_ratio: float = 0.1  # Final learning rate of the cosine schedule, relative to ``lr``.
     warmup_steps: int = 30  # Steps of linear warm-up.
-    weight_decay: float = 0.1  # AdamW weight decay.
+    weight_decay: float = 0.1  # Decoupled weight decay (matrices only).
     grad_clip: float = 1.0  # Global gradient-norm clip (0 disables).
+    optimizer: str = "adamw"  # One of OPTIMIZERS.
+    betas: tuple[float, float] = (0.9, 0.95)  # Adam / AdamS betas.
+    eps: float = 1e-8  # Adam / AdamS epsilon.
+    density: float = 0.01  # SCAPE: fraction of coordinates synchronized per sparse step.
+    mask_delay: int = 1  # SCAPE: mask made after step t is used at step t + 1 + mask_delay.
+    sparse_warmup_steps: int = 10  # SCAPE: dense steps before sparsity starts.
+    unselected: str = "freeze"  # SCAPE: policy of unselected coordinates (freeze | decay_m).
+    error_feedback: bool = False  # SCAPE: keep the unsent gradient as a local residual.
+    refresh_every: int = 0  # SCAPE: every this many steps a dense step (0: never).
     batch: int = 16  # Sequences per rank per step.
     context: int = 64  # Tokens per sequence.
     d_model: int = 128  # Model width.
@@ -88,6 +116,17 @@ class TrainConfig:
         for name in ("warmup_steps", "eval_interval", "weight_decay", "grad_clip"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if not 0.0 < self.density <= 1.0:
+            raise ValueError(f"density must be in (0, 1], got {self.density}")
+        for name in ("mask_delay", "sparse_warmup_steps", "refresh_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.unselected not in ("freeze", "decay_m"):
+            raise ValueError(f"unselected must be 'freeze' or 'decay_m', got {self.unselected!r}")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas) or not self.eps > 0:
+            raise ValueError(f"bad betas {self.betas} or eps {self.eps}")
         if self.backend not in ("gloo", "mpi"):
             raise ValueError(f"backend must be 'gloo' or 'mpi', got {self.backend!r}")
         if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1:
@@ -106,6 +145,78 @@ class TrainConfig:
             n_heads=self.n_heads,
         )
 
+    def optimizer_config(self) -> dict[str, Any]:
+        """Return the optimizer's name, class and constructor settings (JSON-serialisable)."""
+        common: dict[str, Any] = {
+            "lr": self.lr,
+            "betas": list(self.betas),
+            "eps": self.eps,
+            "weight_decay": self.weight_decay,
+        }
+        if self.optimizer == "allreduce-adamw":
+            return {"name": self.optimizer, "class": "torch.optim.AdamW", "grad_clip": self.grad_clip, **common}
+        cls = {"adamw": ShardedAdamW, "adams": ShardedAdamS, "scape": SCAPE}[self.optimizer]
+        out = {"name": self.optimizer, "class": f"optim.{cls.__name__}", **common, "max_grad_norm": self.grad_clip}
+        if self.optimizer == "scape":
+            out.update(
+                density=self.density,
+                mask_delay=self.mask_delay,
+                warmup_steps=self.sparse_warmup_steps,
+                unselected=self.unselected,
+                error_feedback=self.error_feedback,
+                refresh_every=self.refresh_every,
+            )
+        return out
+
+
+def build_optimizer(config: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """Build ``config.optimizer`` over ``model``'s parameters (collective for the sharded ones).
+
+    Weight decay applies to parameters with ``dim() >= 2`` only, for every choice.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    if config.optimizer == "allreduce-adamw":
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        return torch.optim.AdamW(
+            [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=config.lr,
+            betas=config.betas,
+            eps=config.eps,
+        )
+    kw: dict[str, Any] = {
+        "lr": config.lr,
+        "betas": config.betas,
+        "eps": config.eps,
+        "weight_decay": config.weight_decay,
+        "max_grad_norm": config.grad_clip,
+    }
+    if config.optimizer == "adamw":
+        return ShardedAdamW(params, **kw)
+    if config.optimizer == "adams":
+        return ShardedAdamS(params, **kw)
+    return SCAPE(
+        params,
+        **kw,
+        density=config.density,
+        mask_delay=config.mask_delay,
+        warmup_steps=config.sparse_warmup_steps,
+        unselected=config.unselected,
+        error_feedback=config.error_feedback,
+        refresh_every=config.refresh_every,
+    )
+
+
+def _op_delta(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """Per-op counter differences ``after - before`` (ops that did not move are left out)."""
+    out: dict[str, dict[str, int]] = {}
+    for op, a in after.items():
+        b = before.get(op, {"calls": 0, "bytes_sent": 0, "bytes_received": 0})
+        d = {k: a[k] - b[k] for k in ("calls", "bytes_sent", "bytes_received")}
+        if any(d.values()):
+            out[op] = d
+    return out
+
 
 def lr_at(config: TrainConfig, step: int) -> float:
     """Return the learning rate of 1-based ``step``: linear warm-up, then cosine decay."""
@@ -122,9 +233,10 @@ def _check_identical_init(model: GPT) -> None:
     with torch.no_grad():
         mine = torch.nn.utils.parameters_to_vector(model.parameters())
         ref = mine.clone()
-        dist.broadcast(ref, src=0)
-        differ = torch.tensor([0.0 if torch.equal(ref, mine) else 1.0])
-        dist.all_reduce(differ, op=dist.ReduceOp.MAX)
+        with dist.get_communicator().stats.scope("init"):
+            dist.broadcast(ref, src=0)
+            differ = torch.tensor([0.0 if torch.equal(ref, mine) else 1.0])
+            dist.all_reduce(differ, op=dist.ReduceOp.MAX)
     if differ.item():
         raise RuntimeError("model initialisation differs between ranks")
 
@@ -149,7 +261,8 @@ def _evaluate(model: GPT, corpus: Corpus, config: TrainConfig, rank: int) -> flo
             total += loss.item()
     model.train()
     val = torch.tensor([total / config.eval_batches])
-    dist.all_reduce(val, op=dist.ReduceOp.AVG)
+    with dist.get_communicator().stats.scope("eval"):
+        dist.all_reduce(val, op=dist.ReduceOp.AVG)
     return float(val.item())
 
 
@@ -166,10 +279,17 @@ def train_worker(config: TrainConfig, rank: int, world_size: int, on_step: OnSte
 
     Returns:
         ``steps`` (per-step records: ``step``, ``lr``, ``train_loss``,
-        ``grad_norm``, ``step_time_s``, ``comm_time_s``, ``bytes_sent``,
-        ``bytes_received``), ``evals`` (``step``, ``val_loss``), ``model``,
-        ``num_parameters``, ``bucket_bytes``, ``corpus``, ``comm_stats``
-        and ``train_time_s``.
+        ``grad_norm`` (global norm of the synchronized gradient before
+        clipping; ``None`` when a sharded optimizer does not clip),
+        ``step_time_s``, ``comm_time_s`` (the bucket all-reduce, or the whole
+        ``optimizer.step()`` of a sharded optimizer: its collectives plus the
+        shard update), ``bytes_sent``, ``bytes_received``,
+        ``bytes_sent_by_op`` (this rank's sent bytes per stats op name, the
+        ``loss`` all-reduce included), and ``sparse`` for SCAPE),
+        ``evals`` (``step``, ``val_loss``), ``model``, ``num_parameters``,
+        ``optimizer`` (:meth:`TrainConfig.optimizer_config`), ``bucket_bytes``
+        (the flat fp32 gradient buffer), ``corpus``, ``comm_stats`` and
+        ``train_time_s``.
 
     Raises:
         RuntimeError: The ranks disagree on the model or the loss is not finite.
@@ -192,87 +312,156 @@ def train_worker(config: TrainConfig, rank: int, world_size: int, on_step: OnSte
     model = GPT(config.model_config())
     _check_identical_init(model)
     params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=config.lr,
-        betas=(0.9, 0.95),
-    )
     numel = sum(p.numel() for p in params)
-    bucket = torch.zeros(numel + 1, dtype=torch.float32)  # grads, then the loss
-    stats = dist.get_stats()
+    comm = dist.get_communicator()
+    stats = comm.stats
+    with stats.scope("init"):
+        optimizer = build_optimizer(config, model)
+    sharded = config.optimizer != "allreduce-adamw"
+    bucket = torch.zeros(0 if sharded else numel + 1, dtype=torch.float32)  # grads, then the loss
+    loss_buf = torch.zeros(1, dtype=torch.float32)
     records: list[dict[str, Any]] = []
     evals = [{"step": 0, "val_loss": _evaluate(model, corpus, config, rank)}]
-    logger.info("rank %d: %d parameters, %s", rank, numel, corpus.name)
+    logger.info("rank %d: %d parameters, %s, optimizer %s", rank, numel, corpus.name, config.optimizer)
     t_train = time.perf_counter()
-    for step in range(1, config.steps + 1):
-        sent0, recv0 = stats.bytes_sent, stats.bytes_received
-        t0 = time.perf_counter()
-        lr = lr_at(config, step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        x, y = sample_batch(
-            corpus.train,
-            batch_size=config.batch,
-            context=config.context,
-            seed=config.seed,
-            step=step,
-            rank=rank,
-        )
-        optimizer.zero_grad(set_to_none=True)
-        _, loss = model(x, y)
-        assert loss is not None
-        loss.backward()
-        offset = 0
-        for p in params:
-            n = p.numel()
-            bucket[offset : offset + n].copy_(p.grad.reshape(-1))  # type: ignore[union-attr]
-            offset += n
-        bucket[numel] = loss.detach()
-        t_comm = time.perf_counter()
-        dist.all_reduce(bucket, op=dist.ReduceOp.AVG)
-        comm_time = time.perf_counter() - t_comm
-        offset = 0
-        for p in params:
-            n = p.numel()
-            p.grad.copy_(bucket[offset : offset + n].view_as(p))  # type: ignore[union-attr]
-            offset += n
-        train_loss = float(bucket[numel].item())
-        if not math.isfinite(train_loss):
-            raise RuntimeError(f"step {step}: training loss is {train_loss}")
-        grad_norm = (
-            float(torch.nn.utils.clip_grad_norm_(params, config.grad_clip))
-            if config.grad_clip > 0
-            else float(bucket[:numel].norm())
-        )
-        optimizer.step()
-        record = {
-            "step": step,
-            "lr": lr,
-            "train_loss": train_loss,
-            "grad_norm": grad_norm,
-            "step_time_s": time.perf_counter() - t0,
-            "comm_time_s": comm_time,
-            "bytes_sent": stats.bytes_sent - sent0,
-            "bytes_received": stats.bytes_received - recv0,
-        }
-        records.append(record)
-        event = dict(record)
-        if step == config.steps or (config.eval_interval and step % config.eval_interval == 0):
-            evals.append({"step": step, "val_loss": _evaluate(model, corpus, config, rank)})
-            event["val_loss"] = evals[-1]["val_loss"]
-        if on_step is not None:
-            on_step(event)
+    try:
+        for step in range(1, config.steps + 1):
+            ops0 = stats.as_dict()
+            t0 = time.perf_counter()
+            lr = lr_at(config, step)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            x, y = sample_batch(
+                corpus.train,
+                batch_size=config.batch,
+                context=config.context,
+                seed=config.seed,
+                step=step,
+                rank=rank,
+            )
+            optimizer.zero_grad(set_to_none=True)
+            _, loss = model(x, y)
+            assert loss is not None
+            loss.backward()
+            if sharded:
+                loss_buf[0] = loss.detach()
+                with stats.scope("loss"):
+                    dist.all_reduce(loss_buf, op=dist.ReduceOp.AVG)
+                train_loss = float(loss_buf.item())
+                if not math.isfinite(train_loss):
+                    raise RuntimeError(f"step {step}: training loss is {train_loss}")
+                t_comm = time.perf_counter()
+                optimizer.step()
+                comm_time = time.perf_counter() - t_comm
+                last = getattr(optimizer, "last_grad_norm", None)
+                grad_norm = None if last is None else float(last)
+            else:
+                train_loss, grad_norm, comm_time = _allreduce_step(config, params, bucket, loss, optimizer)
+            ops = _op_delta(ops0, stats.as_dict())
+            record = {
+                "step": step,
+                "lr": lr,
+                "train_loss": train_loss,
+                "grad_norm": grad_norm,
+                "step_time_s": time.perf_counter() - t0,
+                "comm_time_s": comm_time,
+                "bytes_sent": sum(d["bytes_sent"] for d in ops.values()),
+                "bytes_received": sum(d["bytes_received"] for d in ops.values()),
+                "bytes_sent_by_op": {op: d["bytes_sent"] for op, d in ops.items()},
+            }
+            if isinstance(optimizer, SCAPE):
+                record["sparse"] = optimizer.last_mask is not None
+            records.append(record)
+            event = dict(record)
+            if step == config.steps or (config.eval_interval and step % config.eval_interval == 0):
+                evals.append({"step": step, "val_loss": _evaluate(model, corpus, config, rank)})
+                event["val_loss"] = evals[-1]["val_loss"]
+            if on_step is not None:
+                on_step(event)
+    finally:
+        if isinstance(optimizer, SCAPE):
+            optimizer.close()  # finish the mask gathers in flight before the group goes
+    train_time = time.perf_counter() - t_train
+    if sharded:
+        bucket_bytes = optimizer.bucket.numel * 4  # type: ignore[attr-defined]
+    else:
+        bucket_bytes = bucket.numel() * bucket.element_size()
     return {
         "steps": records,
         "evals": evals,
         "model": config.model_config().as_dict(),
         "num_parameters": numel,
-        "bucket_bytes": bucket.numel() * bucket.element_size(),
+        "optimizer": config.optimizer_config(),
+        "bucket_bytes": bucket_bytes,
         "corpus": corpus.describe(),
         "comm_stats": stats.as_dict(),
-        "train_time_s": time.perf_counter() - t_train,
+        "train_time_s": train_time,
+    }
+
+
+def _allreduce_step(
+    config: TrainConfig,
+    params: list[torch.nn.Parameter],
+    bucket: torch.Tensor,
+    loss: torch.Tensor,
+    optimizer: torch.optim.Optimizer,
+) -> tuple[float, float, float]:
+    """The ``allreduce-adamw`` step: all-reduce grads + loss, clip, step; return (loss, norm, comm time)."""
+    numel = bucket.numel() - 1
+    offset = 0
+    for p in params:
+        n = p.numel()
+        bucket[offset : offset + n].copy_(p.grad.reshape(-1))  # type: ignore[union-attr]
+        offset += n
+    bucket[numel] = loss.detach()
+    t_comm = time.perf_counter()
+    dist.all_reduce(bucket, op=dist.ReduceOp.AVG)
+    comm_time = time.perf_counter() - t_comm
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad.copy_(bucket[offset : offset + n].view_as(p))  # type: ignore[union-attr]
+        offset += n
+    train_loss = float(bucket[numel].item())
+    if not math.isfinite(train_loss):
+        raise RuntimeError(f"training loss is {train_loss}")
+    grad_norm = (
+        float(torch.nn.utils.clip_grad_norm_(params, config.grad_clip))
+        if config.grad_clip > 0
+        else float(bucket[:numel].norm())
+    )
+    optimizer.step()
+    return train_loss, grad_norm, comm_time
+
+
+def wire_bytes_summary(steps: list[dict[str, Any]], bucket_bytes: int) -> dict[str, Any]:
+    """Summarise the per-step wire bytes of rank 0: total, per step, and split by stats op.
+
+    Args:
+        steps: Step records of :func:`train_worker`.
+        bucket_bytes: Size of the flat fp32 gradient buffer.
+
+    Returns:
+        ``per_step`` / ``total`` (every op of the step), ``optimizer_per_step``
+        (without the ``loss`` all-reduce), ``by_op`` (``{op: {"per_step",
+        "total"}}``), ``total_received``, ``bucket_bytes`` and a note.
+    """
+    n = max(1, len(steps))
+    sent = [s["bytes_sent"] for s in steps]
+    totals: dict[str, int] = {}
+    for s in steps:
+        for op, b in s.get("bytes_sent_by_op", {}).items():
+            totals[op] = totals.get(op, 0) + b
+    loss_total = totals.get("loss", 0)
+    return {
+        "per_step": sum(sent) / n,
+        "optimizer_per_step": (sum(sent) - loss_total) / n,
+        "total": sum(sent),
+        "total_received": sum(s["bytes_received"] for s in steps),
+        "by_op": {op: {"per_step": t / n, "total": t} for op, t in sorted(totals.items())},
+        "bucket_bytes": bucket_bytes,
+        "note": "bytes rank 0 sent in training steps (ring convention, bindings.stats); "
+        "optimizer_per_step leaves out the 'loss' all-reduce",
     }
 
 

@@ -333,7 +333,7 @@ def case_byte_accounting(rank: int, ws: int, seed: int = 12) -> int:
         "all_gather": ring_bytes("all_gather", 2000, ws),
         # gloo builds reduce_scatter from all_reduce (faster there) and counts what it sends
         "reduce_scatter": ring_bytes("all_reduce", 200 * ws, ws)
-        if getattr(dist.get_communicator(), "reduce_scatter_via_all_reduce", False)
+        if getattr(dist.get_communicator(), "reduce_scatter_uses_all_reduce", lambda b: False)(200 * ws)
         else ring_bytes("reduce_scatter", 200, ws),
         "broadcast": ring_bytes("broadcast", 4000, ws, is_root=rank == 0),
         "barrier": (0, 0),
@@ -361,7 +361,28 @@ def case_no_deprecation_warnings(rank: int, ws: int, seed: int = 13) -> int:
     return 4
 
 
+def case_large_reduce_scatter_bytes(rank: int, ws: int) -> int:
+    """A >= 32 MB gloo reduce_scatter runs as an all-reduce and counts those bytes."""
+    from bindings.stats import ring_bytes
+
+    comm = dist.get_communicator()
+    per = ((32 << 20) // 4 + ws - 1) // ws
+    nbytes = per * ws * 4
+    uses_ar = getattr(comm, "reduce_scatter_uses_all_reduce", lambda b: False)(nbytes)
+    assert uses_ar == (comm.backend == "gloo")
+    stats = comm.stats
+    stats.reset()
+    out = torch.empty(per)
+    dist.reduce_scatter_tensor(out, torch.full((per * ws,), float(rank + 1)))
+    assert bool((out == ws * (ws + 1) / 2).all())
+    sent = stats.get("reduce_scatter").bytes_sent
+    expected = ring_bytes("all_reduce", nbytes, ws) if uses_ar else ring_bytes("reduce_scatter", per * 4, ws)
+    assert sent == expected[0], (sent, expected)
+    return 1
+
+
 CASES: dict[str, Callable[[int, int], int]] = {
+    "large_reduce_scatter_bytes": case_large_reduce_scatter_bytes,
     "no_deprecation_warnings": case_no_deprecation_warnings,
     "byte_accounting": case_byte_accounting,
     "all_reduce": case_all_reduce,

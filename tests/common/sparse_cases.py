@@ -143,7 +143,7 @@ def case_byte_accounting(rank: int, ws: int) -> int:
         dist.sparse_all_reduce(x, mask, verify_mask=False)
         assert (stats.get("sparse_all_reduce").bytes_sent,) == (ring_bytes("all_reduce", pk_bytes, ws)[0],)
         vals = dist.sparse_reduce_scatter(x, mask, verify_mask=False)
-        via_ar = getattr(comm, "reduce_scatter_via_all_reduce", False)
+        via_ar = getattr(comm, "reduce_scatter_uses_all_reduce", lambda b: False)(pk_bytes)
         rs = ring_bytes("all_reduce", pk_bytes, ws) if via_ar else ring_bytes("reduce_scatter", mask.k * 4, ws)
         assert stats.get("sparse_reduce_scatter").bytes_sent == rs[0]
         dist.sparse_all_gather(vals, mask, x)

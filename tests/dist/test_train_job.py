@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
+from bindings.spawn import LocalRunError
 from bindings.stats import ring_bytes
 from optim.cli import build_parser, build_report, write_report
-from bindings.spawn import LocalRunError
 from optim.train import OnStep, TrainConfig, launch_local, run_training
 
 pytestmark = pytest.mark.dist
@@ -36,18 +36,30 @@ TINY = {
 
 
 @pytest.mark.timeout(150)
-def test_train_job_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_train_job_end_to_end_allreduce_adamw(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
         monkeypatch.delenv(var, raising=False)  # spawn, even when pytest runs under a launcher
-    config = TrainConfig(**TINY, out=str(tmp_path / "run"))
+    config = TrainConfig(**TINY, optimizer="allreduce-adamw", out=str(tmp_path / "run"))
     result = run_training(config)
     assert result is not None and result["launcher"] == "local"
     report = build_report(config, result)
     json_path, png_path = write_report(report, config.out)
 
     data = json.loads(json_path.read_text())
-    for key in ("config", "world_size", "backend", "versions", "wall_time_s", "steps", "evals",
-                "wire_bytes", "final", "model", "corpus", "comm_stats"):
+    for key in (
+        "config",
+        "world_size",
+        "backend",
+        "versions",
+        "wall_time_s",
+        "steps",
+        "evals",
+        "wire_bytes",
+        "final",
+        "model",
+        "corpus",
+        "comm_stats",
+    ):
         assert key in data, key
     assert data["world_size"] == 2 and data["backend"] == "gloo"
     assert data["config"]["steps"] == 20 and data["config"]["nproc"] == 2
@@ -67,6 +79,8 @@ def test_train_job_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     assert data["wire_bytes"]["per_step"] == sent
     assert data["wire_bytes"]["total"] == 20 * sent
     assert data["comm_stats"]["all_reduce"]["calls"] >= 20
+    assert data["optimizer"]["name"] == "allreduce-adamw"
+    assert data["wire_bytes"]["by_op"] == {"all_reduce": {"per_step": sent, "total": 20 * sent}}
 
     # The loss fell: train (first vs last steps) and validation (start vs end).
     losses = [s["train_loss"] for s in steps]
@@ -75,6 +89,82 @@ def test_train_job_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert png_path.stat().st_size > 5_000
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("optimizer", "extra", "cls", "ops"),
+    [
+        ("adamw", {}, "optim.ShardedAdamW", {"reduce_scatter", "all_gather", "grad_clip", "loss"}),
+        ("adams", {}, "optim.ShardedAdamS", {"reduce_scatter", "all_gather", "grad_clip", "loss"}),
+        (
+            "scape",
+            {"density": 0.1, "sparse_warmup_steps": 5, "mask_delay": 1},
+            "optim.SCAPE",
+            {"sparse_reduce_scatter", "sparse_all_gather", "mask_sync", "grad_clip", "loss"},
+        ),
+    ],
+)
+def test_train_job_sharded_optimizers(
+    optimizer: str,
+    extra: dict[str, Any],
+    cls: str,
+    ops: set[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for var in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(var, raising=False)
+    config = TrainConfig(**TINY, optimizer=optimizer, **extra, out=str(tmp_path / optimizer))
+    result = run_training(config)
+    assert result is not None
+    report = build_report(config, result)
+    json_path, png_path = write_report(report, config.out)
+    data = json.loads(json_path.read_text())
+
+    opt = data["optimizer"]
+    assert opt["name"] == optimizer and opt["class"] == cls
+    assert opt["lr"] == TINY["lr"] and opt["max_grad_norm"] == 1.0 and opt["betas"] == [0.9, 0.95]
+    if optimizer == "scape":
+        assert (opt["density"], opt["warmup_steps"], opt["mask_delay"]) == (0.1, 5, 1)
+        assert [s["sparse"] for s in data["steps"]] == [False] * 5 + [True] * 15
+    steps = data["steps"]
+    assert [s["step"] for s in steps] == list(range(1, 21))
+    assert all(s["grad_norm"] is not None and s["grad_norm"] > 0 for s in steps)
+
+    # The optimizer synchronizes: no gradient all-reduce; the loss takes its own 1-element one.
+    wire = data["wire_bytes"]
+    assert "all_reduce" not in wire["by_op"]
+    assert ops <= set(wire["by_op"]), wire["by_op"]
+    loss_sent, _ = ring_bytes("all_reduce", 4, 2)
+    assert all(s["bytes_sent_by_op"]["loss"] == loss_sent for s in steps)
+    assert all(s["bytes_sent"] == sum(s["bytes_sent_by_op"].values()) for s in steps)
+    assert wire["total"] == sum(s["bytes_sent"] for s in steps)
+    assert wire["per_step"] == pytest.approx(wire["total"] / 20)
+    assert wire["optimizer_per_step"] == pytest.approx(wire["per_step"] - loss_sent)
+    assert sum(v["total"] for v in wire["by_op"].values()) == wire["total"]
+    if optimizer == "scape":  # sparse steps move far fewer bytes than the dense warm-up steps
+        assert max(s["bytes_sent"] for s in steps[6:]) < 0.5 * min(s["bytes_sent"] for s in steps[:5])
+
+    losses = [s["train_loss"] for s in steps]
+    assert sum(losses[-5:]) / 5 < sum(losses[:3]) / 3 - 0.5, losses
+    assert data["final"]["val_loss"] < data["final"]["initial_val_loss"] - 0.5, data["evals"]
+    assert png_path.stat().st_size > 5_000
+
+
+def test_cli_optimizer_options() -> None:
+    args = build_parser().parse_args(
+        ["train", "--optimizer", "scape", "--density", "0.05", "--warmup-steps", "7", "--mask-delay", "2"]
+    )
+    assert (args.optimizer, args.density, args.warmup_steps, args.mask_delay) == ("scape", 0.05, 7, 2)
+    d = TrainConfig()
+    args = build_parser().parse_args(["train"])
+    assert (args.optimizer, args.density, args.warmup_steps) == (d.optimizer, d.density, d.sparse_warmup_steps)
+    assert d.optimizer == "adamw" and d.density == 0.01
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--optimizer", "sgd"])
+    with pytest.raises(ValueError, match="density"):
+        TrainConfig(optimizer="scape", density=0.0)
 
 
 # Workers for the failure tests: module level, so that spawned ranks can import them.

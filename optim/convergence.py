@@ -1,0 +1,153 @@
+"""Convergence benchmark: the training job with each optimizer, same seed and data order.
+
+:func:`run_convergence` trains the model of a base :class:`~optim.train.TrainConfig`
+once per variant, on ``nproc`` spawned local ranks, one run after the other:
+
+* ``adamw``: :class:`optim.ShardedAdamW` (dense),
+* ``adams``: :class:`optim.ShardedAdamS` (dense; the reference of the ratios),
+* ``scape@D``: :class:`optim.SCAPE` at each density ``D``.
+
+Every run uses the same initialisation and the same batches (both depend on
+the seed only). The result holds, per run, the config, per-step training loss,
+validation losses, the final validation loss and its ratio to dense AdamS, wire
+bytes per step (split by stats op), mean step time and the largest
+step-to-step training-loss rise after warm-up. Nothing here prints or plots
+(``optim.bench_cli`` does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from optim.train import TrainConfig, launch_local, wire_bytes_summary
+
+__all__ = [
+    "DEFAULT_DENSITIES",
+    "TARGETS",
+    "convergence_variants",
+    "largest_loss_rise",
+    "summarize_run",
+    "run_convergence",
+]
+
+DEFAULT_DENSITIES = (0.1, 0.01, 0.001)
+"""SCAPE densities of the default sweep (0.001 is a stress point)."""
+
+TARGETS = {0.1: 1.02, 0.01: 1.05}
+"""Largest acceptable ratio of SCAPE's final validation loss to dense AdamS's, per density."""
+
+OnRun = Callable[[dict[str, Any]], None]
+
+
+def convergence_variants(densities: Sequence[float]) -> list[tuple[str, dict[str, Any]]]:
+    """Return ``(name, TrainConfig overrides)`` of every run: AdamW, AdamS, then SCAPE per density."""
+    out: list[tuple[str, dict[str, Any]]] = [("adamw", {"optimizer": "adamw"}), ("adams", {"optimizer": "adams"})]
+    for d in densities:
+        if not 0.0 < d <= 1.0:
+            raise ValueError(f"density must be in (0, 1], got {d}")
+        out.append((f"scape@{d:g}", {"optimizer": "scape", "density": float(d)}))
+    return out
+
+
+def largest_loss_rise(losses: Sequence[float], first_step: int) -> tuple[float, int | None]:
+    """Return the largest ``loss[s] - loss[s-1]`` over 1-based steps ``s > first_step`` and its step.
+
+    Args:
+        losses: Training loss of steps 1, 2, ...
+        first_step: Last warm-up step; rises into later steps count.
+
+    Returns:
+        ``(rise, step)``; ``(0.0, None)`` when the loss never rose there (or too few steps).
+    """
+    best, at = 0.0, None
+    for s in range(max(2, first_step + 1), len(losses) + 1):
+        rise = losses[s - 1] - losses[s - 2]
+        if rise > best:
+            best, at = rise, s
+    return best, at
+
+
+def summarize_run(name: str, config: TrainConfig, result: dict[str, Any]) -> dict[str, Any]:
+    """Reduce rank 0's :func:`~optim.train.train_worker` result to the benchmark's record."""
+    steps = result["steps"]
+    warm = config.warmup_steps
+    if config.optimizer == "scape":
+        warm = max(warm, config.sparse_warmup_steps)
+    rise, rise_step = largest_loss_rise([s["train_loss"] for s in steps], warm)
+    wire = wire_bytes_summary(steps, result["bucket_bytes"])
+    sparse = [s["bytes_sent"] for s in steps if s.get("sparse")]
+    return {
+        "name": name,
+        "optimizer": result["optimizer"],
+        "density": config.density if config.optimizer == "scape" else 1.0,
+        "config": dataclasses.asdict(config),
+        "num_parameters": result["num_parameters"],
+        "train_loss": [s["train_loss"] for s in steps],
+        "evals": result["evals"],
+        "final_val_loss": result["evals"][-1]["val_loss"],
+        "initial_val_loss": result["evals"][0]["val_loss"],
+        "wire_bytes_per_step": wire["per_step"],
+        "optimizer_wire_bytes_per_step": wire["optimizer_per_step"],
+        "wire_bytes_by_op": {op: v["per_step"] for op, v in wire["by_op"].items()},
+        "wire_bytes_total": wire["total"],
+        "sparse_step_wire_bytes": sum(sparse) / len(sparse) if sparse else None,
+        "mean_step_time_s": sum(s["step_time_s"] for s in steps) / len(steps),
+        "train_time_s": result["train_time_s"],
+        "sparse_steps": sum(1 for s in steps if s.get("sparse")),
+        "warmup_steps": warm,
+        "largest_loss_rise": rise,
+        "largest_loss_rise_step": rise_step,
+    }
+
+
+def run_convergence(
+    base: TrainConfig,
+    densities: Sequence[float] = DEFAULT_DENSITIES,
+    *,
+    on_run: OnRun | None = None,
+) -> dict[str, Any]:
+    """Train ``base`` with every variant of :func:`convergence_variants`; return the benchmark record.
+
+    Args:
+        base: The run (its ``optimizer`` and ``density`` are overridden per variant).
+        densities: SCAPE densities.
+        on_run: Called with each run's record when it finishes.
+
+    Returns:
+        ``runs`` (one :func:`summarize_run` record each, plus ``ratio_to_adams``
+        and ``wall_time_s``), ``reference`` (``adams``), ``targets``
+        (``{"scape@D": {"max_ratio", "ratio", "met"}}`` for the densities of
+        :data:`TARGETS` that ran) and ``wall_time_s``.
+
+    Raises:
+        LocalRunError: A rank of a run failed.
+    """
+    t_all = time.perf_counter()
+    runs: list[dict[str, Any]] = []
+    for name, overrides in convergence_variants(densities):
+        config = dataclasses.replace(base, **overrides)
+        t0 = time.perf_counter()
+        result = launch_local(config)
+        record = summarize_run(name, config, result)
+        record["wall_time_s"] = time.perf_counter() - t0
+        runs.append(record)
+        if on_run is not None:
+            on_run(record)
+    ref = next(r for r in runs if r["name"] == "adams")["final_val_loss"]
+    for r in runs:
+        r["ratio_to_adams"] = r["final_val_loss"] / ref
+    targets = {}
+    for r in runs:
+        if r["optimizer"]["name"] == "scape" and r["density"] in TARGETS:
+            limit = TARGETS[r["density"]]
+            targets[r["name"]] = {"max_ratio": limit, "ratio": r["ratio_to_adams"], "met": r["ratio_to_adams"] <= limit}
+    return {
+        "base_config": dataclasses.asdict(base),
+        "reference": "adams",
+        "runs": runs,
+        "targets": targets,
+        "wall_time_s": time.perf_counter() - t_all,
+    }

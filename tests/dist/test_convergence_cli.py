@@ -1,0 +1,73 @@
+"""``sparsecomm bench convergence`` end to end: 2 ranks, a tiny model, 10 steps, 2 densities."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from optim.cli import main
+from optim.convergence import convergence_variants, largest_loss_rise
+
+pytestmark = pytest.mark.dist
+
+
+@pytest.mark.timeout(180)
+def test_convergence_cli_end_to_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for var in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(var, raising=False)
+    out = tmp_path / "conv"
+    argv = [
+        "bench", "convergence", "--steps", "10", "--nproc", "2", "--densities", "0.1,0.01",
+        "--out", str(out), "--d-model", "32", "--layers", "1", "--heads", "2", "--context", "32",
+        "--batch", "8", "--lr", "1e-2", "--warmup", "2", "--warmup-steps", "3", "--eval-interval", "5",
+        "--eval-batches", "2", "--max-corpus-bytes", "300000", "--timeout", "90",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    for name in ("adamw", "adams", "scape@0.1", "scape@0.01", "vs_adams", "wire/step"):
+        assert name in printed, printed
+
+    data = json.loads((out / "convergence.json").read_text())
+    assert (out / "convergence.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert data["reference"] == "adams" and data["base_config"]["steps"] == 10
+    runs = {r["name"]: r for r in data["runs"]}
+    assert list(runs) == ["adamw", "adams", "scape@0.1", "scape@0.01"]
+    assert runs["adams"]["ratio_to_adams"] == 1.0
+    for r in runs.values():
+        for key in (
+            "config",
+            "optimizer",
+            "train_loss",
+            "evals",
+            "final_val_loss",
+            "ratio_to_adams",
+            "wire_bytes_per_step",
+            "wire_bytes_by_op",
+            "mean_step_time_s",
+            "largest_loss_rise",
+        ):
+            assert key in r, (r["name"], key)
+        assert len(r["train_loss"]) == 10 and [e["step"] for e in r["evals"]] == [0, 5, 10]
+        assert r["final_val_loss"] == r["evals"][-1]["val_loss"] < r["initial_val_loss"]
+        assert r["mean_step_time_s"] > 0 and r["largest_loss_rise"] >= 0
+        assert r["config"]["seed"] == 0 and r["config"]["nproc"] == 2
+    # Same init and data order: identical initial validation loss everywhere.
+    assert len({r["initial_val_loss"] for r in runs.values()}) == 1
+    assert runs["scape@0.1"]["optimizer"]["density"] == 0.1 and runs["scape@0.1"]["sparse_steps"] == 7
+    assert runs["scape@0.01"]["wire_bytes_per_step"] < runs["adams"]["wire_bytes_per_step"]
+    assert set(data["targets"]) == {"scape@0.1", "scape@0.01"}
+    assert data["targets"]["scape@0.1"]["max_ratio"] == 1.02
+
+
+def test_variants_and_loss_rise() -> None:
+    names = [n for n, _ in convergence_variants((0.1, 0.001))]
+    assert names == ["adamw", "adams", "scape@0.1", "scape@0.001"]
+    with pytest.raises(ValueError):
+        convergence_variants((0.0,))
+    assert largest_loss_rise([5.0, 4.0, 4.5, 3.0, 3.2], 0) == (0.5, 3)
+    assert largest_loss_rise([5.0, 4.0, 4.5, 3.0, 3.2], 3) == pytest.approx((0.2, 5))
+    assert largest_loss_rise([3.0, 2.0, 1.0], 0) == (0.0, None)
