@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from bindings.spawn import LocalRunError
+from optim.cli_options import add_model_options, add_scape_options
 from optim.convergence import DEFAULT_DENSITIES, run_convergence
 from optim.train import TrainConfig
 from sparsecomm.bench import OPS, CollectivesBenchConfig, run_collectives_bench
@@ -304,23 +305,10 @@ def _add_convergence_parser(inner: Any) -> None:
     )
     p.add_argument("--nproc", type=int, default=d.nproc, help="local ranks")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of init and data order")
-    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
-    p.add_argument("--warmup", type=int, default=d.warmup_steps, help="learning-rate warm-up steps")
-    p.add_argument("--warmup-steps", type=int, default=d.sparse_warmup_steps, help="SCAPE: dense steps first")
-    p.add_argument("--mask-delay", type=int, default=d.mask_delay, help="SCAPE: mask delay D")
-    p.add_argument("--unselected", choices=("freeze", "decay_m"), default=d.unselected, help="SCAPE: unselected policy")
-    p.add_argument("--error-feedback", action="store_true", help="SCAPE: keep the unsent gradient as a residual")
-    p.add_argument("--refresh-every", type=int, default=d.refresh_every, help="SCAPE: dense step every N (0: never)")
-    p.add_argument("--batch", type=int, default=d.batch, help="sequences per rank per step")
-    p.add_argument("--context", type=int, default=d.context, help="tokens per sequence")
-    p.add_argument("--d-model", type=int, default=d.d_model, help="model width")
-    p.add_argument("--layers", type=int, default=d.n_layers, help="transformer blocks")
-    p.add_argument("--heads", type=int, default=d.n_heads, help="attention heads")
-    p.add_argument("--eval-interval", type=int, default=d.eval_interval, help="steps between validation passes")
-    p.add_argument("--eval-batches", type=int, default=d.eval_batches, help="validation batches per rank per pass")
+    add_model_options(p, d)
+    add_scape_options(p, d)
     p.add_argument("--max-corpus-bytes", type=int, default=d.max_corpus_bytes, help="size cap of the corpus")
     p.add_argument("--data", metavar="FILE", default=None, help="text file to train on")
-    p.add_argument("--threads", type=int, default=d.threads, help="torch threads per rank")
     p.add_argument("--timeout", type=float, default=d.job_timeout_s, help="deadline of each run, seconds")
     p.set_defaults(func=_cmd_convergence, cmd_parser=p)
 

@@ -27,6 +27,7 @@ import torch
 import sparsecomm
 from bindings.spawn import LocalRunError
 from optim.bench_cli import add_bench_parser
+from optim.cli_options import add_model_options, add_scape_options
 from optim.train import OPTIMIZERS, TrainConfig, run_training, wire_bytes_summary
 
 __all__ = [
@@ -225,22 +226,9 @@ def _add_train_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
         "allreduce-adamw: bucket all-reduce + torch AdamW",
     )
     p.add_argument("--density", type=float, default=d.density, help="SCAPE: fraction synchronized per sparse step")
-    p.add_argument("--warmup-steps", type=int, default=d.sparse_warmup_steps, help="SCAPE: dense steps first")
-    p.add_argument("--mask-delay", type=int, default=d.mask_delay, help="SCAPE: mask delay D")
-    p.add_argument("--unselected", choices=("freeze", "decay_m"), default=d.unselected, help="SCAPE: unselected policy")
-    p.add_argument("--error-feedback", action="store_true", help="SCAPE: keep the unsent gradient as a residual")
-    p.add_argument("--refresh-every", type=int, default=d.refresh_every, help="SCAPE: dense step every N (0: never)")
+    add_scape_options(p, d)
     p.add_argument("--grad-clip", type=float, default=d.grad_clip, help="global gradient-norm clip (0: off)")
-    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
-    p.add_argument("--warmup", type=int, default=d.warmup_steps, help="learning-rate warm-up steps")
-    p.add_argument("--batch", type=int, default=d.batch, help="sequences per rank per step")
-    p.add_argument("--context", type=int, default=d.context, help="tokens per sequence")
-    p.add_argument("--d-model", type=int, default=d.d_model, help="model width")
-    p.add_argument("--layers", type=int, default=d.n_layers, help="transformer blocks")
-    p.add_argument("--heads", type=int, default=d.n_heads, help="attention heads")
-    p.add_argument("--eval-interval", type=int, default=d.eval_interval, help="steps between validation passes")
-    p.add_argument("--eval-batches", type=int, default=d.eval_batches, help="validation batches per rank per pass")
-    p.add_argument("--threads", type=int, default=d.threads, help="torch threads per rank")
+    add_model_options(p, d)
     p.add_argument("--timeout", type=float, default=d.job_timeout_s, help="deadline of the whole local job, seconds")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_train, cmd_parser=p)

@@ -1,0 +1,32 @@
+"""Command-line options shared by ``sparsecomm train`` and ``sparsecomm bench convergence``."""
+
+from __future__ import annotations
+
+import argparse
+
+from optim.train import TrainConfig
+
+__all__ = ["add_model_options", "add_scape_options"]
+
+
+def add_model_options(p: argparse.ArgumentParser, d: TrainConfig) -> None:
+    """Learning rate, model shape, evaluation and threads (defaults from ``d``)."""
+    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
+    p.add_argument("--warmup", type=int, default=d.warmup_steps, help="learning-rate warm-up steps")
+    p.add_argument("--batch", type=int, default=d.batch, help="sequences per rank per step")
+    p.add_argument("--context", type=int, default=d.context, help="tokens per sequence")
+    p.add_argument("--d-model", type=int, default=d.d_model, help="model width")
+    p.add_argument("--layers", type=int, default=d.n_layers, help="transformer blocks")
+    p.add_argument("--heads", type=int, default=d.n_heads, help="attention heads")
+    p.add_argument("--eval-interval", type=int, default=d.eval_interval, help="steps between validation passes")
+    p.add_argument("--eval-batches", type=int, default=d.eval_batches, help="validation batches per rank per pass")
+    p.add_argument("--threads", type=int, default=d.threads, help="torch threads per rank")
+
+
+def add_scape_options(p: argparse.ArgumentParser, d: TrainConfig) -> None:
+    """SCAPE's knobs (defaults from ``d``)."""
+    p.add_argument("--warmup-steps", type=int, default=d.sparse_warmup_steps, help="SCAPE: dense steps first")
+    p.add_argument("--mask-delay", type=int, default=d.mask_delay, help="SCAPE: mask delay D")
+    p.add_argument("--unselected", choices=("freeze", "decay_m"), default=d.unselected, help="SCAPE: unselected policy")
+    p.add_argument("--error-feedback", action="store_true", help="SCAPE: keep the unsent gradient as a residual")
+    p.add_argument("--refresh-every", type=int, default=d.refresh_every, help="SCAPE: dense step every N (0: never)")
