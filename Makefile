@@ -36,6 +36,7 @@ gpu-check:
 
 lint: $(STAMP)
 	$(BIN)/ruff check bindings sparsecomm resilient_comm optim tests
+	$(BIN)/mypy
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

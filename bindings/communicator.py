@@ -67,7 +67,7 @@ class Handle:
         op_name: str,
         raw: RawWork,
         default_timeout: timedelta,
-        finish: Callable[[], None] | None = None,
+        finish: Callable[[], object] | None = None,
         source: Callable[[], int] | None = None,
     ) -> None:
         self._op_name = op_name
@@ -123,7 +123,7 @@ class ChainedWork:
     use it to unpack results when the user waits.
     """
 
-    def __init__(self, inner: Work, finish: Callable[[], None]) -> None:
+    def __init__(self, inner: Work, finish: Callable[[], object]) -> None:
         self._inner = inner
         self._finish = finish
         self._done = False
@@ -188,7 +188,7 @@ def _check_async(async_op: Any) -> None:
         raise TypeError(f"async_op: expected a bool, got {type(async_op).__name__}")
 
 
-def _staged(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None] | None]:
+def _staged(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], object] | None]:
     """Return a contiguous buffer for ``t`` and the copy-back step (or ``None``)."""
     if t.is_contiguous():
         return t, None
@@ -196,7 +196,7 @@ def _staged(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None] | None]:
     return buf, lambda: t.copy_(buf)
 
 
-def _chain(*steps: Callable[[], None] | None) -> Callable[[], None] | None:
+def _chain(*steps: Callable[[], object] | None) -> Callable[[], object] | None:
     todo = [s for s in steps if s is not None]
     if not todo:
         return None
@@ -290,7 +290,7 @@ class BaseCommunicator(abc.ABC):
         self,
         op_name: str,
         raw: RawWork,
-        finish: Callable[[], None] | None,
+        finish: Callable[[], object] | None,
         async_op: bool,
         source: Callable[[], int] | None = None,
     ) -> Handle | None:

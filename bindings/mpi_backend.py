@@ -443,6 +443,7 @@ class MPICommunicator(BaseCommunicator):
         work = self._post("recv", self._comm.Irecv, msg, source, tag, keep=(mem,), finish=finish, status=status)
         if src is not None:
             return work, lambda: src
+        assert status is not None
         return work, lambda: int(status.Get_source())
 
     def _raw_split(self, members: list[int]) -> MPICommunicator | None:

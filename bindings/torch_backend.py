@@ -268,6 +268,7 @@ class TorchCommunicator(BaseCommunicator):
         if src is not None:
             return _TorchWork("recv", work), lambda: src
         ranks = self._global_ranks
+        assert work is not None  # irecv returns a work handle on every backend we use
         return _TorchWork("recv", work), lambda: ranks.index(int(work._source_rank()))
 
     def _raw_split(self, members: list[int]) -> TorchCommunicator | None:

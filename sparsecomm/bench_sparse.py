@@ -19,6 +19,7 @@ rank sent for one mask all-gather; ``speedup`` = dense time / this time.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -160,8 +161,8 @@ def bench_sparse_rank(
                     call = _sparse_call(op, flat, mask)
                     sparse_us = _median_us(call, iters, warmup)
                     packed = pack(flat, mask)
-                    pack_us = _median_us(lambda f=flat, m=mask, o=packed: pack(f, m, out=o), iters, 1)
-                    unpack_us = _median_us(lambda f=flat, m=mask, o=packed: unpack(o, m, f), iters, 1)
+                    pack_us = _median_us(functools.partial(pack, flat, mask, out=packed), iters, 1)
+                    unpack_us = _median_us(functools.partial(unpack, packed, mask, flat), iters, 1)
                     comm.stats.reset()
                     call()
                     wire = comm.stats.get(f"sparse_{op}").bytes_sent

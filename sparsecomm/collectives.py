@@ -109,7 +109,7 @@ def unpack(packed: torch.Tensor, mask: ShardedMask, flat: torch.Tensor) -> None:
     kernel_for(flat.device, flat.dtype).unpack(src, plan.scatter_idx, flat)
 
 
-def _flat_view(name: str, t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None] | None]:
+def _flat_view(name: str, t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], object] | None]:
     """A contiguous flat buffer for ``t`` and the copy-back step if ``t`` was strided."""
     if t.is_contiguous():
         return t.view(-1), None
@@ -117,7 +117,7 @@ def _flat_view(name: str, t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], N
     return buf, lambda: t.copy_(buf.view(t.shape))
 
 
-def _finish(work: Work | None, finish: Callable[[], None], async_op: bool) -> ChainedWork | None:
+def _finish(work: Work | None, finish: Callable[[], object], async_op: bool) -> ChainedWork | None:
     if work is None:
         finish()
         return None

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from bindings import ChainedWork, Handle
+from bindings import ChainedWork, Work
 from bindings.torch_backend import TorchReduceOp
 from sparsecomm import collectives as _sparse
 from sparsecomm.groups import (
@@ -124,7 +124,7 @@ def _group_peer(
         raise ValueError(f"{name}: global rank {rank} is not part of the group") from None
 
 
-def _finish_or_wait(work: Handle | None, finish: Callable[[], None], async_op: bool) -> Any:
+def _finish_or_wait(work: Work | None, finish: Callable[[], object], async_op: bool) -> Any:
     if work is None:  # the communicator already waited
         finish()
         return None

@@ -105,7 +105,7 @@ class NumbaKernel:
         self._numba = numba
 
     def _pick(self) -> tuple[Any, Any]:
-        threads = min(torch.get_num_threads(), self._numba.config.NUMBA_NUM_THREADS)
+        threads = min(torch.get_num_threads(), self._numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
         if threads <= 1:
             return self._serial
         self._numba.set_num_threads(threads)
@@ -135,13 +135,13 @@ class NumbaCudaKernel:
 
         @cuda.jit
         def gather(src: Any, idx: Any, out: Any) -> None:  # pragma: no cover - GPU
-            j = cuda.grid(1)
+            j: int = cuda.grid(1)  # type: ignore[call-arg]
             if j < idx.shape[0]:
                 out[j] = src[idx[j]]
 
         @cuda.jit
         def scatter(packed: Any, idx: Any, dst: Any) -> None:  # pragma: no cover - GPU
-            j = cuda.grid(1)
+            j: int = cuda.grid(1)  # type: ignore[call-arg]
             if j < idx.shape[0]:
                 dst[idx[j]] = packed[j]
 
