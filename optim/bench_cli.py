@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from bindings.spawn import LocalRunError
-from optim.cli_options import add_model_options, add_scape_options
+from optim.cli_options import add_model_options, add_scape_options, model_settings, scape_settings
 from optim.convergence import DEFAULT_DENSITIES, run_convergence
 from optim.train import TrainConfig
 from sparsecomm.bench import OPS, CollectivesBenchConfig, run_collectives_bench
@@ -237,23 +237,10 @@ def _cmd_convergence(args: argparse.Namespace) -> int:
             steps=args.steps,
             nproc=args.nproc,
             seed=args.seed,
-            lr=args.lr,
-            warmup_steps=args.warmup,
-            sparse_warmup_steps=args.warmup_steps,
-            mask_delay=args.mask_delay,
-            unselected=args.unselected,
-            error_feedback=args.error_feedback,
-            refresh_every=args.refresh_every,
-            batch=args.batch,
-            context=args.context,
-            d_model=args.d_model,
-            n_layers=args.layers,
-            n_heads=args.heads,
-            eval_interval=args.eval_interval,
-            eval_batches=args.eval_batches,
+            **model_settings(args),
+            **scape_settings(args),
             max_corpus_bytes=args.max_corpus_bytes,
             data=args.data,
-            threads=args.threads,
             job_timeout_s=args.timeout,
             out=args.out,
         )

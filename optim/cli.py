@@ -27,7 +27,7 @@ import torch
 import sparsecomm
 from bindings.spawn import LocalRunError
 from optim.bench_cli import add_bench_parser
-from optim.cli_options import add_model_options, add_scape_options
+from optim.cli_options import add_model_options, add_scape_options, model_settings, scape_settings
 from optim.train import OPTIMIZERS, TrainConfig, run_training, wire_bytes_summary
 
 __all__ = [
@@ -242,27 +242,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
             steps=args.steps,
             nproc=args.nproc,
             backend=args.backend,
-            lr=args.lr,
-            warmup_steps=args.warmup,
+            **model_settings(args),
+            **scape_settings(args),
             grad_clip=args.grad_clip,
             optimizer=args.optimizer,
             density=args.density,
-            sparse_warmup_steps=args.warmup_steps,
-            mask_delay=args.mask_delay,
-            unselected=args.unselected,
-            error_feedback=args.error_feedback,
-            refresh_every=args.refresh_every,
-            batch=args.batch,
-            context=args.context,
-            d_model=args.d_model,
-            n_layers=args.layers,
-            n_heads=args.heads,
             seed=args.seed,
             out=args.out,
             data=args.data,
-            eval_interval=args.eval_interval,
-            eval_batches=args.eval_batches,
-            threads=args.threads,
             job_timeout_s=args.timeout,
         )
     except ValueError as exc:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from optim.train import TrainConfig
 
-__all__ = ["add_model_options", "add_scape_options"]
+__all__ = ["add_model_options", "add_scape_options", "model_settings", "scape_settings"]
 
 
 def add_model_options(p: argparse.ArgumentParser, d: TrainConfig) -> None:
@@ -30,3 +31,30 @@ def add_scape_options(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     p.add_argument("--unselected", choices=("freeze", "decay_m"), default=d.unselected, help="SCAPE: unselected policy")
     p.add_argument("--error-feedback", action="store_true", help="SCAPE: keep the unsent gradient as a residual")
     p.add_argument("--refresh-every", type=int, default=d.refresh_every, help="SCAPE: dense step every N (0: never)")
+
+
+def model_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The :class:`TrainConfig` fields set by :func:`add_model_options`."""
+    return {
+        "lr": args.lr,
+        "warmup_steps": args.warmup,
+        "batch": args.batch,
+        "context": args.context,
+        "d_model": args.d_model,
+        "n_layers": args.layers,
+        "n_heads": args.heads,
+        "eval_interval": args.eval_interval,
+        "eval_batches": args.eval_batches,
+        "threads": args.threads,
+    }
+
+
+def scape_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The :class:`TrainConfig` fields set by :func:`add_scape_options`."""
+    return {
+        "sparse_warmup_steps": args.warmup_steps,
+        "mask_delay": args.mask_delay,
+        "unselected": args.unselected,
+        "error_feedback": args.error_feedback,
+        "refresh_every": args.refresh_every,
+    }
