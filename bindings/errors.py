@@ -12,6 +12,8 @@ __all__ = [
     "PeerFailureError",
     "CommAbortedError",
     "CollectiveMismatchError",
+    "MembershipError",
+    "StaleEpochError",
 ]
 
 
@@ -46,3 +48,16 @@ class CollectiveMismatchError(CommError, ValueError):
     Raised on every rank by the optional metadata check (see
     ``check_collectives`` in :func:`bindings.create_communicator`).
     """
+
+
+class MembershipError(CommError):
+    """The fault-aware membership cannot go on as asked.
+
+    Raised for: no quorum (a minority of the last view survived), fewer live
+    members than ``min_world_size``, a foreign job id, or a second
+    ``reconfigure()`` while one is running.
+    """
+
+
+class StaleEpochError(MembershipError):
+    """This member acted for an epoch the job has left behind (it was declared failed)."""

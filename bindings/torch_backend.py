@@ -17,7 +17,13 @@ from bindings.errors import CommError, CommTimeoutError, PeerFailureError
 from bindings.ops import ReduceOp
 from bindings.stats import ring_bytes
 
-__all__ = ["TorchCommunicator", "TorchReduceOp", "as_torch_communicator", "translate_torch_error"]
+__all__ = [
+    "TorchCommunicator",
+    "TorchReduceOp",
+    "as_torch_communicator",
+    "standalone_process_group",
+    "translate_torch_error",
+]
 
 #: torch.distributed's ``ReduceOp``, re-exported by the drop-in API.
 TorchReduceOp = tdist.ReduceOp
@@ -141,6 +147,43 @@ def _call(op_name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Ra
     return _TorchWork(op_name, work) if work is not None else DoneWork()
 
 
+def standalone_process_group(
+    store: tdist.Store, rank: int, world_size: int, backend: str, timeout: timedelta
+) -> tdist.ProcessGroup:
+    """Build a process group on ``store`` without torch's global registry.
+
+    For groups that live and die on their own (one per membership epoch): no
+    ``init_process_group``, no default group, nothing registered that a later
+    group could collide with. Every rank of the group must call this with the
+    same ``store`` (a ``PrefixStore`` unique to the group) and ``world_size``.
+
+    Args:
+        store: The rendezvous store of this group only.
+        rank: This process's rank in the group.
+        world_size: Number of ranks.
+        backend: ``gloo`` (CPU) or ``nccl`` (CUDA, non-blocking communicator so
+            that :meth:`TorchCommunicator.abort` can interrupt it).
+        timeout: Transport-level timeout of every operation.
+    """
+    from torch._C._distributed_c10d import ProcessGroup
+
+    if backend == "gloo":
+        impl: Any = tdist.ProcessGroupGloo(store, rank, world_size, timeout)
+        kind, device = ProcessGroup.BackendType.GLOO, torch.device("cpu")
+    elif backend == "nccl":
+        opts = tdist.ProcessGroupNCCL.Options()
+        opts.config.blocking = False
+        opts._timeout = timeout
+        impl = tdist.ProcessGroupNCCL(store, rank, world_size, opts)
+        kind, device = ProcessGroup.BackendType.NCCL, torch.device("cuda", torch.cuda.current_device())
+    else:
+        raise ValueError(f"backend: expected 'gloo' or 'nccl', got {backend!r}")
+    pg = ProcessGroup(store, rank, world_size)
+    pg._set_default_backend(kind)
+    pg._register_backend(device, kind, impl)
+    return pg
+
+
 class TorchCommunicator(BaseCommunicator):
     """A communicator over a torch.distributed process group (``gloo`` or ``nccl``).
 
@@ -151,6 +194,9 @@ class TorchCommunicator(BaseCommunicator):
         check_collectives: See :class:`~bindings.communicator.BaseCommunicator`.
         owns_world: This communicator initialized torch's default group and
             destroys it on :meth:`close`.
+        standalone: ``group`` comes from :func:`standalone_process_group` (not
+            in torch's registry): peers are addressed by group rank, and
+            :meth:`close` shuts the group down.
     """
 
     def __init__(
@@ -160,22 +206,29 @@ class TorchCommunicator(BaseCommunicator):
         timeout: timedelta,
         check_collectives: bool = False,
         owns_world: bool = False,
+        standalone: bool = False,
     ) -> None:
-        if not tdist.is_initialized():
-            raise RuntimeError("TorchCommunicator: torch.distributed is not initialized")
-        pg = group if group is not None else tdist.group.WORLD
-        assert pg is not None
+        self._standalone = standalone
+        if standalone:
+            if group is None:
+                raise ValueError("standalone: needs the group from standalone_process_group()")
+            pg = group
+            rank, size = pg.rank(), pg.size()
+            self._global_ranks: list[int] = list(range(size))
+            self._backend = str(pg._get_backend_name()).lower()
+            self._is_world = False
+        else:
+            if not tdist.is_initialized():
+                raise RuntimeError("TorchCommunicator: torch.distributed is not initialized")
+            pg = group if group is not None else tdist.group.WORLD
+            assert pg is not None
+            rank, size = tdist.get_rank(pg), tdist.get_world_size(pg)
+            self._global_ranks = tdist.get_process_group_ranks(pg)
+            self._backend = str(tdist.get_backend(pg)).lower()
+            self._is_world = group is None or pg is tdist.group.WORLD
         self._pg: tdist.ProcessGroup = pg
-        self._global_ranks: list[int] = tdist.get_process_group_ranks(pg)
-        self._backend = str(tdist.get_backend(pg)).lower()
-        self._is_world = group is None or pg is tdist.group.WORLD
         self._owns_world = owns_world and self._is_world
-        super().__init__(
-            tdist.get_rank(pg),
-            tdist.get_world_size(pg),
-            timeout=timeout,
-            check_collectives=check_collectives,
-        )
+        super().__init__(rank, size, timeout=timeout, check_collectives=check_collectives)
         self.native_avg = self._backend == "nccl"
         #: Inputs of at least this many bytes are reduce-scattered with an all-reduce
         #: (gloo only; ``None``: never). gloo's own reduce-scatter took 214 ms against
@@ -217,6 +270,12 @@ class TorchCommunicator(BaseCommunicator):
     def _g(self, rank: int) -> int:
         return self._global_ranks[rank]
 
+    def _peer(self, kind: str, rank: int) -> dict[str, int]:
+        """The keyword naming peer ``rank`` (``kind``: src or dst) for torch.distributed."""
+        if self._standalone:
+            return {f"group_{kind}": rank}
+        return {kind: self._g(rank)}
+
     def _raw_all_reduce(self, buf: torch.Tensor, op: ReduceOp) -> RawWork:
         return _call("all_reduce", tdist.all_reduce, buf, op=_TORCH_OPS[op], group=self._pg, async_op=True)
 
@@ -248,7 +307,7 @@ class TorchCommunicator(BaseCommunicator):
         return _call("all_gather", _all_gather_tensor, out.view(-1), inp.view(-1), group=self._pg, async_op=True)
 
     def _raw_broadcast(self, buf: torch.Tensor, src: int) -> RawWork:
-        return _call("broadcast", tdist.broadcast, buf, src=self._g(src), group=self._pg, async_op=True)
+        return _call("broadcast", tdist.broadcast, buf, **self._peer("src", src), group=self._pg, async_op=True)
 
     def _raw_barrier(self) -> RawWork:
         return _call("barrier", tdist.barrier, group=self._pg, async_op=True)
@@ -256,13 +315,14 @@ class TorchCommunicator(BaseCommunicator):
     def _raw_send(self, buf: torch.Tensor, dst: int, tag: int) -> RawWork:
         if buf.numel() == 0:  # gloo cannot receive 0 bytes from any source: send one token byte
             buf = torch.zeros(1, dtype=torch.uint8, device=buf.device)
-        return _call("send", tdist.isend, buf, dst=self._g(dst), group=self._pg, tag=tag)
+        return _call("send", tdist.isend, buf, **self._peer("dst", dst), group=self._pg, tag=tag)
 
     def _raw_recv(self, buf: torch.Tensor, src: int | None, tag: int) -> tuple[RawWork, Callable[[], int]]:
         if buf.numel() == 0:  # matches the token byte of _raw_send
             buf = torch.zeros(1, dtype=torch.uint8, device=buf.device)
         try:
-            work = tdist.irecv(buf, src=None if src is None else self._g(src), group=self._pg, tag=tag)
+            peer = {} if src is None else self._peer("src", src)
+            work = tdist.irecv(buf, **peer, group=self._pg, tag=tag)
         except Exception as exc:  # noqa: BLE001
             raise translate_torch_error("recv", exc) from exc
         if src is not None:
@@ -272,6 +332,8 @@ class TorchCommunicator(BaseCommunicator):
         return _TorchWork("recv", work), lambda: ranks.index(int(work._source_rank()))
 
     def _raw_split(self, members: list[int]) -> TorchCommunicator | None:
+        if self._standalone:
+            raise NotImplementedError("split: a standalone group cannot be split; build another standalone group")
         global_members = [self._g(r) for r in members]
         try:
             pg = (
@@ -296,6 +358,12 @@ class TorchCommunicator(BaseCommunicator):
             logger.debug("process group abort raised %s", exc)
 
     def _raw_close(self) -> None:
+        if self._standalone:
+            try:
+                self._pg.shutdown()
+            except Exception as exc:  # noqa: BLE001
+                logger.debug("process group shutdown raised %s", exc)
+            return
         if self._is_world and not self._owns_world:
             return  # torch's default group belongs to whoever called init_process_group
         try:

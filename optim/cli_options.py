@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from optim.scape import MASK_SCORES, UNSELECTED_POLICIES
 from optim.train import TrainConfig
 
 __all__ = ["add_model_options", "add_scape_options", "model_settings", "scape_settings"]
@@ -28,9 +29,11 @@ def add_scape_options(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     """SCAPE's knobs (defaults from ``d``)."""
     p.add_argument("--warmup-steps", type=int, default=d.sparse_warmup_steps, help="SCAPE: dense steps first")
     p.add_argument("--mask-delay", type=int, default=d.mask_delay, help="SCAPE: mask delay D")
-    p.add_argument("--unselected", choices=("freeze", "decay_m"), default=d.unselected, help="SCAPE: unselected policy")
+    p.add_argument("--unselected", choices=UNSELECTED_POLICIES, default=d.unselected, help="SCAPE: unselected policy")
     p.add_argument("--error-feedback", action="store_true", help="SCAPE: keep the unsent gradient as a residual")
     p.add_argument("--refresh-every", type=int, default=d.refresh_every, help="SCAPE: dense step every N (0: never)")
+    p.add_argument("--mask-score", choices=MASK_SCORES, default=d.mask_score, help="SCAPE: mask statistic")
+    p.add_argument("--explore", type=float, default=d.explore, help="SCAPE: fraction of k chosen round-robin")
 
 
 def model_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -57,4 +60,6 @@ def scape_settings(args: argparse.Namespace) -> dict[str, Any]:
         "unselected": args.unselected,
         "error_feedback": args.error_feedback,
         "refresh_every": args.refresh_every,
+        "mask_score": args.mask_score,
+        "explore": args.explore,
     }

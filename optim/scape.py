@@ -62,9 +62,10 @@ from sparsecomm.collectives import sparse_all_gather, sparse_reduce_scatter
 from sparsecomm.mask import ShardedMask
 from sparsecomm.schedule import MaskSchedule
 
-__all__ = ["ShardedAdamS", "ShardedAdamW", "SCAPE", "UNSELECTED_POLICIES"]
+__all__ = ["ShardedAdamS", "ShardedAdamW", "SCAPE", "UNSELECTED_POLICIES", "MASK_SCORES"]
 
 UNSELECTED_POLICIES = ("freeze", "decay_m")
+MASK_SCORES = ("abs_m", "abs_m_theta", "abs_m_residual")
 
 
 class _ShardedOptimizer(Optimizer):
@@ -370,6 +371,13 @@ class SCAPE(ShardedAdamS):
             step sends G + e at the mask and keeps the rest in e; a dense step
             sends G + e entirely and clears e.
         refresh_every: If > 0, steps with ``t % refresh_every == 0`` are dense.
+        score: Mask statistic on the owner's shard: ``"abs_m"`` (|m|),
+            ``"abs_m_theta"`` (|m|·|w|) or ``"abs_m_residual"`` (|m + (1-beta1)·e|
+            with the owner's own residual e, so unsent gradient can enter the
+            mask; needs ``error_feedback``).
+        explore: Fraction in [0, 1) of each shard's k taken round-robin (a window
+            that moves by its own length every step) instead of by score, so
+            every coordinate is visited.
         max_grad_norm: Clip the global norm of the synchronized values (0 = off).
         group: ``sparsecomm.distributed`` group (default: the default group).
 
@@ -392,6 +400,8 @@ class SCAPE(ShardedAdamS):
         refresh_every: int = 0,
         max_grad_norm: float = 0.0,
         bias_correction: bool = True,
+        score: str = "abs_m",
+        explore: float = 0.0,
         group: Any = None,
         *,
         wd_min_ndim: int = 2,
@@ -405,15 +415,23 @@ class SCAPE(ShardedAdamS):
                 raise ValueError(f"Invalid {name}: {v!r} (must be an int >= 0)")
         if unselected not in UNSELECTED_POLICIES:
             raise ValueError(f"Invalid unselected: {unselected!r} (must be one of {UNSELECTED_POLICIES})")
+        if score not in MASK_SCORES:
+            raise ValueError(f"Invalid score: {score!r} (must be one of {MASK_SCORES})")
+        if score == "abs_m_residual" and not error_feedback:
+            raise ValueError("score='abs_m_residual' needs error_feedback=True")
+        if isinstance(explore, bool) or not isinstance(explore, (int, float)) or not 0.0 <= explore < 1.0:
+            raise ValueError(f"Invalid explore: {explore!r} (must be a float in [0, 1))")
         self.density = float(density)
         self.mask_delay = mask_delay
         self.warmup_steps = warmup_steps
         self.unselected = unselected
         self.error_feedback = bool(error_feedback)
         self.refresh_every = refresh_every
+        self.score = score
+        self.explore = float(explore)
         config = (
             f"{self.density!r}|{mask_delay}|{warmup_steps}|{unselected}|"
-            f"{self.error_feedback}|{refresh_every}|{float(max_grad_norm)!r}"
+            f"{self.error_feedback}|{refresh_every}|{float(max_grad_norm)!r}|{score}|{self.explore!r}"
         )
         super().__init__(
             params,
@@ -500,8 +518,31 @@ class SCAPE(ShardedAdamS):
         """Propose this rank's piece of the mask of step t + 1 + D from |m| of its shard."""
         if self._sched is None or not self.is_sparse_step(self._sched.target_step(t)):
             return
-        scores = self._shard["exp_avg"][: self._bucket.real].abs()
-        self._sched.propose(t, scores)
+        self._sched.propose(t, self._scores(t))
+
+    def _scores(self, t: int) -> Tensor:
+        """The mask statistic of this rank's shard (real positions only) after step ``t``."""
+        b = self._bucket
+        m = self._shard["exp_avg"][: b.real]
+        if self.score == "abs_m_theta":
+            scores = m.abs() * self._master[: b.real].abs()
+        elif self.score == "abs_m_residual":
+            assert self._residual is not None
+            e = b.own_slice(self._residual)[: b.real]
+            scores = m.clone()
+            for seg in b.segments:
+                beta1 = self.param_groups[seg.group]["betas"][0]
+                scores[seg.lo : seg.hi].add_(e[seg.lo : seg.hi], alpha=1.0 - beta1)
+            scores.abs_()
+        else:
+            scores = m.abs()
+        assert self._sched is not None
+        n_explore = min(b.real, math.ceil(self.explore * self._sched.k))
+        if n_explore > 0:
+            lo = (t * n_explore) % b.real
+            window = torch.arange(lo, lo + n_explore, device=scores.device) % b.real
+            scores[window] = math.inf
+        return scores
 
     def close(self) -> None:
         """Finish the mask gathers still in flight (call before tearing the group down)."""

@@ -44,7 +44,7 @@ from bindings.launch import detect_launch
 from bindings.spawn import run_local
 from optim.data import DEFAULT_MAX_BYTES, VOCAB_SIZE, Corpus, load_corpus, sample_batch
 from optim.model import GPT, GPTConfig
-from optim.scape import SCAPE, ShardedAdamS, ShardedAdamW
+from optim.scape import MASK_SCORES, SCAPE, UNSELECTED_POLICIES, ShardedAdamS, ShardedAdamW
 
 __all__ = [
     "OPTIMIZERS",
@@ -92,6 +92,8 @@ class TrainConfig:
     unselected: str = "freeze"  # SCAPE: policy of unselected coordinates (freeze | decay_m).
     error_feedback: bool = False  # SCAPE: keep the unsent gradient as a local residual.
     refresh_every: int = 0  # SCAPE: every this many steps a dense step (0: never).
+    mask_score: str = "abs_m"  # SCAPE: mask statistic (one of optim.MASK_SCORES).
+    explore: float = 0.0  # SCAPE: fraction of k chosen round-robin instead of by score.
     batch: int = 16  # Sequences per rank per step.
     context: int = 64  # Tokens per sequence.
     d_model: int = 128  # Model width.
@@ -123,8 +125,14 @@ class TrainConfig:
         for name in ("mask_delay", "sparse_warmup_steps", "refresh_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.unselected not in ("freeze", "decay_m"):
-            raise ValueError(f"unselected must be 'freeze' or 'decay_m', got {self.unselected!r}")
+        if self.unselected not in UNSELECTED_POLICIES:
+            raise ValueError(f"unselected must be one of {UNSELECTED_POLICIES}, got {self.unselected!r}")
+        if self.mask_score not in MASK_SCORES:
+            raise ValueError(f"mask_score must be one of {MASK_SCORES}, got {self.mask_score!r}")
+        if self.mask_score == "abs_m_residual" and not self.error_feedback:
+            raise ValueError("mask_score 'abs_m_residual' needs error_feedback")
+        if not 0.0 <= self.explore < 1.0:
+            raise ValueError(f"explore must be in [0, 1), got {self.explore}")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas) or not self.eps > 0:
             raise ValueError(f"bad betas {self.betas} or eps {self.eps}")
         if self.backend not in ("gloo", "mpi"):
@@ -158,15 +166,21 @@ class TrainConfig:
         cls = {"adamw": ShardedAdamW, "adams": ShardedAdamS, "scape": SCAPE}[self.optimizer]
         out = {"name": self.optimizer, "class": f"optim.{cls.__name__}", **common, "max_grad_norm": self.grad_clip}
         if self.optimizer == "scape":
-            out.update(
-                density=self.density,
-                mask_delay=self.mask_delay,
-                warmup_steps=self.sparse_warmup_steps,
-                unselected=self.unselected,
-                error_feedback=self.error_feedback,
-                refresh_every=self.refresh_every,
-            )
+            out.update(self.scape_kwargs())
         return out
+
+    def scape_kwargs(self) -> dict[str, Any]:
+        """The SCAPE-only constructor arguments of this config."""
+        return {
+            "density": self.density,
+            "mask_delay": self.mask_delay,
+            "warmup_steps": self.sparse_warmup_steps,
+            "unselected": self.unselected,
+            "error_feedback": self.error_feedback,
+            "refresh_every": self.refresh_every,
+            "score": self.mask_score,
+            "explore": self.explore,
+        }
 
 
 def build_optimizer(config: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -195,16 +209,7 @@ def build_optimizer(config: TrainConfig, model: torch.nn.Module) -> torch.optim.
         return ShardedAdamW(params, **kw)
     if config.optimizer == "adams":
         return ShardedAdamS(params, **kw)
-    return SCAPE(
-        params,
-        **kw,
-        density=config.density,
-        mask_delay=config.mask_delay,
-        warmup_steps=config.sparse_warmup_steps,
-        unselected=config.unselected,
-        error_feedback=config.error_feedback,
-        refresh_every=config.refresh_every,
-    )
+    return SCAPE(params, **kw, **config.scape_kwargs())
 
 
 def _op_delta(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:

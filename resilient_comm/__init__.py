@@ -1,5 +1,33 @@
-"""Fault-aware communicator: failure detection, abort, shrink, spares and re-rank."""
+"""Fault-aware communication: membership epochs, fail-fast collectives, hot-swap and shrink.
+
+* :class:`Coordinator` (control plane, hosted by the launcher or standalone)
+  owns the job's store, the membership view, the epochs, the spares and the
+  committed step;
+* :class:`FaultAwareCommunicator` (one per training process) is a ``bindings``
+  communicator whose collectives fail fast on a dead or hung peer and whose
+  :meth:`~FaultAwareCommunicator.reconfigure` moves every survivor to the next
+  epoch (a spare in the dead slot, or a smaller world);
+* :func:`launch` starts a coordinator, the workers and the spares on this machine.
+"""
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from resilient_comm.communicator import FaultAwareCommunicator, Reconfiguration
+from resilient_comm.coordinator import Coordinator, CoordinatorConfig
+from resilient_comm.events import EVENTS, EventLog, read_events
+from resilient_comm.membership import StoreMembership
+from resilient_comm.view import MODES, MemberInfo, View
+
+__all__ = [
+    "EVENTS",
+    "MODES",
+    "Coordinator",
+    "CoordinatorConfig",
+    "EventLog",
+    "FaultAwareCommunicator",
+    "MemberInfo",
+    "Reconfiguration",
+    "StoreMembership",
+    "View",
+    "read_events",
+]

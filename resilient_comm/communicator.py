@@ -1,0 +1,476 @@
+"""``FaultAwareCommunicator``: collectives that fail fast and a membership that heals.
+
+The communicator implements the ``bindings`` :class:`~bindings.base.Communicator`
+protocol, so the drop-in API, the sparse collectives and the optimizers run
+over it unchanged. Underneath, each epoch has its own disposable transport (a
+standalone gloo / NCCL process group under the store prefix ``ep{epoch}/``).
+
+Guarantees:
+
+* every operation completes or raises :class:`~bindings.errors.PeerFailureError`
+  within its deadline: the wait polls the transport and gives up as soon as the
+  epoch is aborted (by this member or by the coordinator);
+* on any failure this member aborts its own transport at once (the revoke), so
+  peers blocked on it fail fast too, and reports to the coordinator;
+* after a failure every call raises until :meth:`FaultAwareCommunicator.reconfigure`
+  moved the member to the next epoch: nothing is issued on a half-dead epoch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+
+from bindings.base import RawWork
+from bindings.communicator import BaseCommunicator
+from bindings.errors import CommError, MembershipError, PeerFailureError, StaleEpochError
+from bindings.ops import ReduceOp
+from bindings.torch_backend import TorchCommunicator, standalone_process_group
+from resilient_comm.membership import StoreMembership
+from resilient_comm.view import View
+
+__all__ = ["FaultAwareCommunicator", "Reconfiguration", "ENV_ADDRESS", "ENV_JOB", "ENV_ROLE", "ENV_SLOT"]
+
+logger = logging.getLogger(__name__)
+
+#: Environment the launcher sets for every process it starts.
+ENV_ADDRESS = "SPARSECOMM_COORDINATOR"
+ENV_JOB = "SPARSECOMM_JOB_ID"
+ENV_ROLE = "SPARSECOMM_ROLE"
+ENV_SLOT = "SPARSECOMM_SLOT"
+
+_BACKENDS = ("gloo", "nccl")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Reconfiguration:
+    """What changed when this member moved to a new epoch.
+
+    Attributes:
+        old_epoch: The epoch left (``-1`` for a spare's first epoch).
+        epoch: The epoch joined.
+        rank: This member's rank (= slot) in it.
+        world_size: Members of the new epoch.
+        rank_map: Old rank -> new rank of every member that stayed.
+        promoted: Slot -> member index of each spare promoted into the epoch.
+        lost_slots: Slots of the old epoch whose member failed.
+        mode: ``hotswap``, ``shrink``, ``same`` (nobody lost) or ``start``.
+        committed_step: Last step committed everywhere before the epoch formed.
+        promoted_here: Whether this process is one of the promoted spares.
+    """
+
+    old_epoch: int
+    epoch: int
+    rank: int
+    world_size: int
+    rank_map: dict[int, int] = field(default_factory=dict)
+    promoted: dict[int, int] = field(default_factory=dict)
+    lost_slots: tuple[int, ...] = ()
+    mode: str = "start"
+    committed_step: int = -1
+    promoted_here: bool = False
+
+
+class _GuardedWork:
+    """Raw work of one epoch: waits by polling, gives up when the epoch is aborted."""
+
+    def __init__(self, comm: FaultAwareCommunicator, op: str, epoch: int, raw: RawWork) -> None:
+        self._comm = comm
+        self._op = op
+        self._epoch = epoch
+        self._raw = raw
+
+    def wait(self, timeout_s: float | None) -> None:
+        comm, raw = self._comm, self._raw
+        deadline = time.monotonic() + (comm.timeout.total_seconds() if timeout_s is None else timeout_s)
+        delay = 5e-5
+        while not raw.is_completed():
+            if comm._epoch_failed(self._epoch):
+                raise comm._failure(self._epoch, f"{self._op}: epoch {self._epoch} was aborted")
+            if time.monotonic() > deadline:
+                comm._fail(self._epoch, f"{self._op}: timed out")
+                raise comm._failure(self._epoch, f"{self._op}: no progress before the deadline (hung peer?)")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.001)
+        try:
+            raw.wait(max(0.0, deadline - time.monotonic()))
+        except CommError as exc:
+            comm._fail(self._epoch, f"{self._op}: {exc}")
+            raise comm._failure(self._epoch, f"{self._op}: {exc}") from exc
+
+    def is_completed(self) -> bool:
+        return self._raw.is_completed() or self._comm._epoch_failed(self._epoch)
+
+
+class FaultAwareCommunicator(BaseCommunicator):
+    """A communicator whose membership survives dead and hung peers.
+
+    Build one per process with :meth:`connect` (reads the launcher's
+    environment) or from a :class:`~resilient_comm.membership.StoreMembership`.
+    An active member joins the first epoch in the constructor; a spare waits in
+    :meth:`wait_for_promotion`.
+
+    Args:
+        membership: This process's registration with the coordinator.
+        backend: ``gloo`` (CPU) or ``nccl`` (CUDA).
+        timeout: Deadline of every operation.
+        configure_timeout: Deadline of building one epoch's transport.
+        join_timeout: How long an active member waits for its first epoch.
+        check_collectives: See :class:`~bindings.communicator.BaseCommunicator`.
+    """
+
+    def __init__(
+        self,
+        membership: StoreMembership,
+        *,
+        backend: str = "gloo",
+        timeout: timedelta = timedelta(seconds=30),
+        configure_timeout: timedelta = timedelta(seconds=30),
+        join_timeout: timedelta = timedelta(seconds=120),
+        check_collectives: bool = False,
+    ) -> None:
+        if not isinstance(membership, StoreMembership):
+            raise TypeError(f"membership: expected a StoreMembership, got {type(membership).__name__}")
+        if backend not in _BACKENDS:
+            raise ValueError(f"backend: must be one of {_BACKENDS}, got {backend!r}")
+        for name, v in (("configure_timeout", configure_timeout), ("join_timeout", join_timeout)):
+            if not isinstance(v, timedelta) or v.total_seconds() <= 0:
+                raise ValueError(f"{name}: must be a positive datetime.timedelta, got {v!r}")
+        super().__init__(0, 1, timeout=timeout, check_collectives=check_collectives)
+        self._m = membership
+        self._backend_name = backend
+        self._configure_timeout = configure_timeout
+        self._join_timeout = join_timeout
+        self._inner: TorchCommunicator | None = None
+        self._view: View | None = None
+        self._failed_epoch = -1  # newest epoch this member saw fail
+        self._state_lock = threading.Lock()
+        self._reconfiguring = threading.Lock()
+        if membership.role == "active":
+            self._join(-1, time.monotonic() + join_timeout.total_seconds())
+
+    @classmethod
+    def connect(
+        cls,
+        *,
+        address: str | None = None,
+        job: str | None = None,
+        role: str | None = None,
+        slot: int | None = None,
+        backend: str = "gloo",
+        timeout: timedelta = timedelta(seconds=30),
+        heartbeat_interval: timedelta = timedelta(milliseconds=50),
+        configure_timeout: timedelta = timedelta(seconds=30),
+        join_timeout: timedelta = timedelta(seconds=120),
+    ) -> FaultAwareCommunicator:
+        """Register with the coordinator and (for an active member) join the first epoch.
+
+        Arguments left ``None`` come from the environment the launcher sets:
+        ``SPARSECOMM_COORDINATOR`` (``host:port``), ``SPARSECOMM_JOB_ID``,
+        ``SPARSECOMM_ROLE`` (default ``active``) and ``SPARSECOMM_SLOT`` (or
+        torchrun's / Open MPI's / Slurm's rank variable).
+
+        Raises:
+            ValueError: Missing or bad settings.
+            MembershipError: The coordinator runs another job, or the job failed.
+        """
+        address = address if address is not None else os.environ.get(ENV_ADDRESS)
+        job = job if job is not None else os.environ.get(ENV_JOB)
+        if not address or not job:
+            raise ValueError(f"connect: set address and job (or {ENV_ADDRESS} and {ENV_JOB})")
+        role = role if role is not None else os.environ.get(ENV_ROLE, "active")
+        if slot is None:
+            env = next(
+                (os.environ[v] for v in (ENV_SLOT, "RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID") if v in os.environ),
+                None,
+            )
+            slot = int(env) if env is not None and role == "active" else -1
+        membership = StoreMembership(address, job, role=role, slot=slot, heartbeat_interval=heartbeat_interval)
+        try:
+            return cls(
+                membership,
+                backend=backend,
+                timeout=timeout,
+                configure_timeout=configure_timeout,
+                join_timeout=join_timeout,
+            )
+        except BaseException:
+            membership.leave()
+            raise
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def backend(self) -> str:
+        """The data-plane backend (``gloo`` or ``nccl``)."""
+        return self._backend_name
+
+    @property
+    def epoch(self) -> int:
+        """The current epoch (``-1`` before this member joined one)."""
+        return self._view.epoch if self._view is not None else -1
+
+    @property
+    def view(self) -> View | None:
+        """The current epoch's view."""
+        return self._view
+
+    @property
+    def member(self) -> int:
+        """This process's member index (unique per process start)."""
+        return self._m.index
+
+    @property
+    def membership(self) -> StoreMembership:
+        """This process's registration."""
+        return self._m
+
+    @property
+    def healthy(self) -> bool:
+        """Whether the current epoch is usable (no failure seen in it)."""
+        return self._view is not None and not self._epoch_failed(self._view.epoch)
+
+    # ------------------------------------------------------------------ epochs
+    def _epoch_failed(self, epoch: int) -> bool:
+        return self._failed_epoch >= epoch or self._m.aborted(epoch)
+
+    def _fail(self, epoch: int, reason: str) -> None:
+        """Revoke: abort ``epoch``'s transport here and report it (once per epoch)."""
+        with self._state_lock:
+            first = self._failed_epoch < epoch
+            self._failed_epoch = max(self._failed_epoch, epoch)
+            inner = self._inner if self._view is not None and self._view.epoch == epoch else None
+        if inner is not None:
+            inner.abort()
+        if first:
+            logger.info("member %d: epoch %d failed: %s", self._m.index, epoch, reason)
+            self._m.report(epoch, reason)
+
+    def _on_abort(self, epoch: int) -> None:
+        """Watcher thread: the coordinator aborted ``epoch``."""
+        with self._state_lock:
+            self._failed_epoch = max(self._failed_epoch, epoch)
+            inner = self._inner if self._view is not None and self._view.epoch == epoch else None
+        if inner is not None:
+            inner.abort()
+
+    def _failure(self, epoch: int, message: str) -> PeerFailureError:
+        info = self._m.abort_info(epoch)
+        dead = info.get("dead_slots", [])
+        slots = frozenset(int(s) for s in dead) if isinstance(dead, list) else frozenset()
+        return PeerFailureError(f"{message} (epoch {epoch}; call reconfigure())", failed_ranks=slots)
+
+    def _join(self, after_epoch: int, deadline: float) -> View | None:
+        """Wait for a view after ``after_epoch`` that holds this member and build its transport."""
+        was_member = self._view is not None
+        while True:
+            view = self._m.wait_view(after_epoch, deadline)
+            if view is None:
+                return None
+            slot = view.slot_of(self._m.index)
+            if slot is None:
+                if was_member:
+                    raise StaleEpochError(
+                        f"member {self._m.index} was declared failed and is not part of epoch {view.epoch}"
+                    )
+                after_epoch = view.epoch  # a spare not (yet) promoted
+                continue
+            self._m.watch(view.epoch, self._on_abort)
+            try:
+                inner = self._build(view, slot)
+            except CommError as exc:
+                self._failed_epoch = max(self._failed_epoch, view.epoch)
+                self._m.report(view.epoch, f"configure failed: {exc}")
+                after_epoch = view.epoch
+                continue
+            with self._state_lock:
+                old = self._inner
+                self._inner, self._view = inner, view
+                self._rank, self._world_size = slot, view.world_size
+            if old is not None:
+                old.abort()
+            if self._epoch_failed(view.epoch):
+                inner.abort()
+                after_epoch = view.epoch
+                continue
+            self._m.configured(view.epoch)
+            logger.info("member %d: epoch %d, rank %d of %d", self._m.index, view.epoch, slot, view.world_size)
+            return view
+
+    def _build(self, view: View, slot: int) -> TorchCommunicator:
+        try:
+            pg = standalone_process_group(
+                self._m.transport_store(view.epoch),
+                slot,
+                view.world_size,
+                self._backend_name,
+                self._configure_timeout,
+            )
+        except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError/DistError on a failed rendezvous
+            raise PeerFailureError(f"building the transport of epoch {view.epoch}: {exc}") from exc
+        return TorchCommunicator(pg, timeout=self.timeout, check_collectives=False, standalone=True)
+
+    def reconfigure(self, timeout: timedelta | None = None) -> Reconfiguration:
+        """Move to the next epoch and say what changed.
+
+        Collective: every surviving member must call this after a failure (a
+        member that calls it without one asks for a new epoch with the same
+        members).
+
+        Args:
+            timeout: How long to wait for the new epoch (default: the join timeout).
+
+        Raises:
+            MembershipError: Already reconfiguring in another thread, no quorum,
+                too few members left, or the job failed.
+            StaleEpochError: This member was declared failed (e.g. it was hung).
+            CommTimeoutError: No epoch formed in time.
+        """
+        if self._view is None:
+            raise MembershipError("reconfigure: this member is not in an epoch (a spare calls wait_for_promotion())")
+        if not self._reconfiguring.acquire(blocking=False):
+            raise MembershipError("reconfigure: already reconfiguring")
+        try:
+            old = self._view
+            if not self._epoch_failed(old.epoch):
+                self._fail(old.epoch, "reconfigure requested")
+            limit = self._join_timeout if timeout is None else timeout
+            view = self._join(old.epoch, time.monotonic() + limit.total_seconds())
+            if view is None:
+                raise MembershipError("reconfigure: the job shut down")
+            return self._result(old.epoch, view)
+        finally:
+            self._reconfiguring.release()
+
+    def wait_for_promotion(self, timeout: timedelta | None = None) -> Reconfiguration | None:
+        """Spare: wait, heartbeating, until an epoch gives this process a slot.
+
+        Returns:
+            What changed, or ``None`` if the job ended without needing this spare.
+
+        Raises:
+            MembershipError: Not a spare, or the job failed.
+            CommTimeoutError: ``timeout`` passed first.
+        """
+        if self._view is not None:
+            raise MembershipError("wait_for_promotion: this member already holds a slot")
+        limit = timedelta(days=365) if timeout is None else timeout
+        view = self._join(-1, time.monotonic() + limit.total_seconds())
+        return None if view is None else self._result(-1, view)
+
+    def _result(self, old_epoch: int, view: View) -> Reconfiguration:
+        return Reconfiguration(
+            old_epoch=old_epoch,
+            epoch=view.epoch,
+            rank=self._rank,
+            world_size=view.world_size,
+            rank_map=dict(view.rank_map),
+            promoted=dict(view.promoted),
+            lost_slots=view.lost_slots,
+            mode=view.mode,
+            committed_step=view.committed_step,
+            promoted_here=self._m.index in view.promoted.values(),
+        )
+
+    def commit(self, step: int, ok: bool = True, timeout: timedelta | None = None) -> bool:
+        """The step-commit vote: ``True`` on every member, or ``False`` on every member.
+
+        Collective: every member of the epoch must call this for ``step``. A
+        step counts only when every member voted ok and no failure hit the epoch
+        first; apply its effects (optimizer step, snapshot) only then.
+        """
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step: must be an int >= 0, got {step!r}")
+        view = self._view
+        if view is None:
+            raise MembershipError("commit: this member is not in an epoch")
+        limit = self.timeout if timeout is None else timeout
+        ok = bool(ok) and not self._epoch_failed(view.epoch)
+        return self._m.vote(view.epoch, step, view.world_size, ok, time.monotonic() + limit.total_seconds())
+
+    # ------------------------------------------------------------------ transport hooks
+    def _current(self, op: str) -> tuple[TorchCommunicator, int]:
+        with self._state_lock:
+            inner, view = self._inner, self._view
+        if inner is None or view is None:
+            raise PeerFailureError(f"{op}: this member is not in an epoch yet")
+        if self._epoch_failed(view.epoch):
+            raise self._failure(view.epoch, f"{op}: epoch {view.epoch} has failed")
+        return inner, view.epoch
+
+    def _guard(self, op: str, call: Callable[[TorchCommunicator], RawWork]) -> RawWork:
+        inner, epoch = self._current(op)
+        try:
+            raw = call(inner)
+        except CommError as exc:
+            self._fail(epoch, f"{op}: {exc}")
+            raise self._failure(epoch, f"{op}: {exc}") from exc
+        return _GuardedWork(self, op, epoch, raw)
+
+    def _raw_all_reduce(self, buf: torch.Tensor, op: ReduceOp) -> RawWork:
+        return self._guard("all_reduce", lambda c: c._raw_all_reduce(buf, op))
+
+    def _raw_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp) -> RawWork:
+        return self._guard("reduce_scatter", lambda c: c._raw_reduce_scatter(out, inp, op))
+
+    def _raw_all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> RawWork:
+        return self._guard("all_gather", lambda c: c._raw_all_gather(out, inp))
+
+    def _raw_broadcast(self, buf: torch.Tensor, src: int) -> RawWork:
+        return self._guard("broadcast", lambda c: c._raw_broadcast(buf, src))
+
+    def _raw_barrier(self) -> RawWork:
+        return self._guard("barrier", lambda c: c._raw_barrier())
+
+    def _raw_send(self, buf: torch.Tensor, dst: int, tag: int) -> RawWork:
+        return self._guard("send", lambda c: c._raw_send(buf, dst, tag))
+
+    def _raw_recv(self, buf: torch.Tensor, src: int | None, tag: int) -> tuple[RawWork, Callable[[], int]]:
+        inner, epoch = self._current("recv")
+        try:
+            raw, source = inner._raw_recv(buf, src, tag)
+        except CommError as exc:
+            self._fail(epoch, f"recv: {exc}")
+            raise self._failure(epoch, f"recv: {exc}") from exc
+        return _GuardedWork(self, "recv", epoch, raw), source
+
+    def _raw_split(self, members: list[int]) -> BaseCommunicator | None:
+        raise NotImplementedError("split: a fault-aware communicator cannot be split; its epochs change its ranks")
+
+    def _wire_bytes(self, op: str, nbytes: int) -> tuple[int, int]:
+        inner = self._inner
+        if inner is None:
+            return super()._wire_bytes(op, nbytes)
+        return inner._wire_bytes(op, nbytes)
+
+    def abort(self) -> None:
+        """Revoke the current epoch here: peers fail fast; call :meth:`reconfigure` to go on.
+
+        Unlike other communicators this one stays usable after ``abort`` (the
+        next epoch gets a new transport).
+        """
+        view = self._view
+        if view is not None:
+            self._fail(view.epoch, "aborted by the application")
+
+    def _raw_abort(self) -> None:  # pragma: no cover - abort() is overridden
+        pass
+
+    def close(self) -> None:
+        """Leave the job cleanly and release the transport. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._m.leave()
+        inner = self._inner
+        if inner is not None:
+            inner.close()
+
+    def _raw_close(self) -> None:  # pragma: no cover - close() is overridden
+        pass

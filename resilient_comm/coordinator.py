@@ -1,0 +1,487 @@
+"""The control plane: one coordinator per job, never a training rank.
+
+The coordinator hosts the job's ``TCPStore`` and decides membership: it reads
+registrations and heartbeat counters from the store, learns about process exits
+from the launcher (:meth:`Coordinator.notify_exit`) and about transport errors
+from the members (suspicion records), and forms each new epoch's
+:class:`~resilient_comm.view.View`. Members talk to it only through store keys
+(:mod:`resilient_comm.keys`); the data plane (one process group per epoch)
+never passes through it.
+
+Protocol of one reconfiguration, from epoch ``e``:
+
+1. evidence of a failure (an exit, a stale heartbeat, a suspicion for ``e``);
+2. ``abort/e`` is set: every member's watcher aborts its epoch-``e`` transport
+   (so collectives blocked on a hung peer fail at once) and acknowledges;
+3. members that acknowledge within ``ack_timeout`` and still heartbeat survive;
+4. majority guard: unless more than half of epoch ``e``'s members survived, no
+   epoch forms and the job fails (a minority never continues on its own);
+5. the view of ``e + 1``: dead slots go to spares (``hotswap``) or are dropped
+   and the rest renumbered in slot order (``shrink``, also the fallback when no
+   spare is left), never below ``min_world_size``;
+6. members build the new transport under the store prefix ``ep{e+1}/`` and
+   report ``configured``; a failure meanwhile starts the next round (``e + 2``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from torch.distributed import TCPStore
+
+from resilient_comm import keys
+from resilient_comm.events import EventLog
+from resilient_comm.view import MODES, MemberInfo, View, decode_json
+
+__all__ = ["Coordinator", "CoordinatorConfig"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CoordinatorConfig:
+    """Settings of one job's coordinator.
+
+    Attributes:
+        world_size: Active members of the first epoch.
+        job: Job id; members presenting another id are refused.
+        host: Address the store binds to (loopback unless told otherwise).
+        port: Store port (0: any free port).
+        mode: ``hotswap`` or ``shrink`` (see :data:`resilient_comm.view.MODES`).
+        min_world_size: No epoch with fewer members forms; the job fails instead.
+        heartbeat_timeout: A member whose heartbeat counter did not move for this
+            long is dead (this is what catches a hung, e.g. SIGSTOPped, process).
+        ack_timeout: How long a reconfiguration waits for acknowledgements.
+        configure_timeout: How long members may take to build an epoch's transport.
+        start_timeout: How long to wait for the first ``world_size`` members.
+        poll_interval: Period of the control loop.
+        events: File for the JSON-lines event log (``None``: memory only).
+    """
+
+    world_size: int
+    job: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    host: str = "127.0.0.1"
+    port: int = 0
+    mode: str = "hotswap"
+    min_world_size: int = 1
+    heartbeat_timeout: timedelta = timedelta(seconds=2)
+    ack_timeout: timedelta = timedelta(seconds=2)
+    configure_timeout: timedelta = timedelta(seconds=30)
+    start_timeout: timedelta = timedelta(seconds=120)
+    poll_interval: timedelta = timedelta(milliseconds=10)
+    events: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "min_world_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}: must be an int >= 1, got {v!r}")
+        if self.min_world_size > self.world_size:
+            raise ValueError(f"min_world_size ({self.min_world_size}) is larger than world_size ({self.world_size})")
+        if self.mode not in MODES:
+            raise ValueError(f"mode: must be one of {MODES}, got {self.mode!r}")
+        if not isinstance(self.job, str) or not self.job or "/" in self.job:
+            raise ValueError(f"job: must be a non-empty string without '/', got {self.job!r}")
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port < 65536:
+            raise ValueError(f"port: must be in [0, 65536), got {self.port!r}")
+        for name in ("heartbeat_timeout", "ack_timeout", "configure_timeout", "start_timeout", "poll_interval"):
+            v = getattr(self, name)
+            if not isinstance(v, timedelta) or v.total_seconds() <= 0:
+                raise ValueError(f"{name}: must be a positive datetime.timedelta, got {v!r}")
+
+
+class _JobFailed(Exception):
+    """Internal: the job cannot continue (reason in the message)."""
+
+
+class Coordinator:
+    """Hosts the store and runs the membership protocol in a background thread.
+
+    Args:
+        config: The job's settings.
+
+    Example::
+
+        coord = Coordinator(CoordinatorConfig(world_size=4, events="events.jsonl"))
+        coord.start()          # members connect to coord.address with coord.job
+        ...
+        coord.stop()
+    """
+
+    def __init__(self, config: CoordinatorConfig) -> None:
+        if not isinstance(config, CoordinatorConfig):
+            raise TypeError(f"config: expected a CoordinatorConfig, got {type(config).__name__}")
+        self.config = config
+        self.log = EventLog(config.events)
+        self._store: TCPStore | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._exits: queue.Queue[tuple[int, int]] = queue.Queue()
+        self._lock = threading.Lock()
+        self._members: dict[int, MemberInfo] = {}
+        self._hb: dict[int, tuple[int, float]] = {}
+        self._dead: set[int] = set()
+        self._left: set[int] = set()
+        self._spares: list[int] = []
+        self._seen_members = 0
+        self._seen_suspects = 0
+        self._suspected: set[int] = set()  # epochs with a suspicion not yet acted on
+        self._view: View | None = None
+        self._failed: str | None = None
+        self._shutdown = False
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Open the store and start the control loop."""
+        if self._store is not None:
+            raise RuntimeError("coordinator: already started")
+        cfg = self.config
+        self._store = TCPStore(
+            cfg.host,
+            cfg.port,
+            None,
+            True,
+            timeout=timedelta(seconds=30),
+            wait_for_workers=False,
+        )
+        self._store.set(keys.JOB, cfg.job)
+        self._store.set(keys.EPOCH, "-1")
+        self._thread = threading.Thread(target=self._run, name="sparsecomm-coordinator", daemon=True)
+        self._thread.start()
+        logger.info("coordinator for job %s on %s", cfg.job, self.address)
+
+    def stop(self) -> None:
+        """Stop the control loop and close the store. Idempotent."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self._thread = None
+        self._store = None
+        self.log.close()
+
+    def shutdown(self) -> None:
+        """Tell spares (and anyone waiting for an epoch) that the job is over."""
+        self._shutdown = True
+        if self._store is not None:
+            self._store.set(keys.SHUTDOWN, "1")
+
+    @property
+    def address(self) -> str:
+        """``host:port`` of the store (what members connect to)."""
+        if self._store is None:
+            raise RuntimeError("coordinator: not started")
+        host = self.config.host
+        if host in ("", "0.0.0.0", "::"):
+            host = socket.gethostname()
+        return f"{host}:{self._store.port}"
+
+    @property
+    def job(self) -> str:
+        """The job id."""
+        return self.config.job
+
+    @property
+    def view(self) -> View | None:
+        """The current view (``None`` before the first epoch)."""
+        with self._lock:
+            return self._view
+
+    @property
+    def failed(self) -> str | None:
+        """Why the job failed, or ``None``."""
+        return self._failed
+
+    def members(self) -> dict[int, MemberInfo]:
+        """Every member that registered so far, by index."""
+        with self._lock:
+            return dict(self._members)
+
+    def spares(self) -> list[int]:
+        """Member indices of the live spares, in promotion order."""
+        with self._lock:
+            return list(self._spares)
+
+    def notify_exit(self, pid: int, returncode: int) -> None:
+        """Tell the coordinator a process it may know has exited (thread-safe)."""
+        self._exits.put((int(pid), int(returncode)))
+
+    # ------------------------------------------------------------------ loop
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except _JobFailed as exc:
+            self._fail(str(exc))
+        except Exception:  # noqa: BLE001 - the control thread must report, not vanish
+            logger.exception("coordinator loop crashed")
+            self._fail("coordinator error (see log)")
+
+    def _loop(self) -> None:
+        started = time.monotonic()
+        poll = self.config.poll_interval.total_seconds()
+        while not self._stop.is_set():
+            self._refresh()
+            view = self.view
+            if view is None:
+                self._maybe_start()
+                if self.view is None and time.monotonic() - started > self.config.start_timeout.total_seconds():
+                    raise _JobFailed(f"only {self._live_actives()} of {self.config.world_size} members registered")
+            elif not self._shutdown and (any(m in self._dead for m in view.members) or view.epoch in self._suspected):
+                self._reconfigure(view)
+            time.sleep(poll)
+
+    def _fail(self, reason: str) -> None:
+        if self._failed is not None:
+            return
+        self._failed = reason
+        epoch = self._view.epoch if self._view is not None else None
+        self.log.emit("job_failed", epoch=epoch, reason=reason)
+        if self._store is not None:
+            try:
+                self._store.set(keys.FAILED, reason)
+                if self._view is not None:
+                    self._store.set(keys.abort(self._view.epoch), json.dumps({"reason": reason, "dead_slots": []}))
+            except Exception as exc:  # noqa: BLE001
+                logger.warning("could not publish the job failure: %s", exc)
+
+    # ------------------------------------------------------------------ evidence
+    def _refresh(self) -> None:
+        """Read registrations, heartbeats, exits and suspicions; update the dead set."""
+        store = self._store
+        assert store is not None
+        now = time.monotonic()
+        n = store.add(keys.MEMBERS_NEXT, 0)
+        while self._seen_members < n:
+            idx = self._seen_members
+            if not store.check([keys.member(idx)]):
+                break  # registered its index, record not written yet
+            self._seen_members += 1
+            try:
+                info = MemberInfo.from_json(store.get(keys.member(idx)))
+            except ValueError as exc:
+                logger.warning("ignoring member %d: %s", idx, exc)
+                continue
+            if info.job != self.config.job or info.index != idx:
+                logger.warning("ignoring member %d: foreign job %r", idx, info.job)
+                continue
+            with self._lock:
+                self._members[idx] = info
+                self._hb[idx] = (-1, now)
+                if info.role == "spare" or self._view is not None:
+                    self._spares.append(idx)
+            self.log.emit(
+                "member_started", slot=info.slot if info.slot >= 0 else None, pid=info.pid, member=idx, role=info.role
+            )
+        live = [i for i in self._members if i not in self._dead and i not in self._left]
+        if live:
+            counts = store.multi_get([keys.heartbeat(i) for i in live])
+            for i, raw in zip(live, counts, strict=True):
+                count = int(raw or b"0")
+                last_count, last_time = self._hb[i]
+                if count != last_count:
+                    self._hb[i] = (count, now)
+                elif now - last_time > self.config.heartbeat_timeout.total_seconds():
+                    if store.check([keys.left(i)]):
+                        self._member_left(i)
+                    else:
+                        self._mark_dead(i, "heartbeat", silent_s=round(now - last_time, 3))
+        while True:
+            try:
+                pid, code = self._exits.get_nowait()
+            except queue.Empty:
+                break
+            self._on_exit(pid, code)
+        n = store.add(keys.SUSPECT_NEXT, 0)
+        while self._seen_suspects < n:
+            i = self._seen_suspects
+            if not store.check([keys.suspect(i)]):
+                break
+            self._seen_suspects += 1
+            try:
+                rec = decode_json(store.get(keys.suspect(i)), "suspicion record")
+                epoch, member = int(rec["epoch"]), int(rec["member"])
+            except (ValueError, KeyError, TypeError) as exc:
+                logger.warning("ignoring suspicion %d: %s", i, exc)
+                continue
+            view = self.view
+            slot = view.slot_of(member) if view is not None else None
+            self.log.emit("failure_suspected", epoch=epoch, slot=slot, member=member, reason=str(rec.get("reason", "")))
+            if view is not None and epoch == view.epoch:
+                self._suspected.add(epoch)
+
+    def _on_exit(self, pid: int, code: int) -> None:
+        match = [i for i, info in self._members.items() if info.pid == pid]
+        view = self.view
+        for i in match:
+            slot = view.slot_of(i) if view is not None else None
+            self.log.emit("member_exited", epoch=view.epoch if view else None, slot=slot, pid=pid, returncode=code)
+            clean = code == 0 and self._store is not None and self._store.check([keys.left(i)])
+            if clean:
+                self._member_left(i)
+            else:
+                self._mark_dead(i, "exit", returncode=code)
+
+    def _member_left(self, i: int) -> None:
+        with self._lock:
+            self._left.add(i)
+            if i in self._spares:
+                self._spares.remove(i)
+
+    def _mark_dead(self, i: int, reason: str, **extra: Any) -> None:
+        if i in self._dead or i in self._left:
+            return
+        with self._lock:
+            self._dead.add(i)
+            if i in self._spares:
+                self._spares.remove(i)
+        view = self.view
+        slot = view.slot_of(i) if view is not None else None
+        info = self._members.get(i)
+        self.log.emit(
+            "failure_detected",
+            epoch=view.epoch if view is not None else None,
+            slot=slot,
+            pid=info.pid if info else None,
+            member=i,
+            reason=reason,
+            **extra,
+        )
+
+    def _live_actives(self) -> int:
+        return sum(
+            1 for i, m in self._members.items() if m.role == "active" and i not in self._dead and i not in self._left
+        )
+
+    # ------------------------------------------------------------------ epochs
+    def _maybe_start(self) -> None:
+        n = self.config.world_size
+        actives = [i for i, m in sorted(self._members.items()) if m.role == "active" and i not in self._dead]
+        if len(actives) < n:
+            return
+        slots: list[int | None] = [None] * n
+        rest = []
+        for i in actives:
+            s = self._members[i].slot
+            if 0 <= s < n and slots[s] is None:
+                slots[s] = i
+            else:
+                rest.append(i)
+        for s in range(n):
+            if slots[s] is None:
+                slots[s] = rest.pop(0)
+        with self._lock:
+            self._spares.extend(rest)  # extra actives wait as spares
+        self._publish(View(epoch=0, job=self.config.job, members=tuple(m for m in slots if m is not None)))
+
+    def _publish(self, view: View) -> None:
+        store = self._store
+        assert store is not None
+        store.set(keys.view(view.epoch), view.to_json())
+        with self._lock:
+            self._view = view
+        store.set(keys.EPOCH, str(view.epoch))
+        self.log.emit(
+            "epoch_proposed",
+            epoch=view.epoch,
+            members=list(view.members),
+            world_size=view.world_size,
+            mode=view.mode,
+            lost_slots=list(view.lost_slots),
+        )
+        for slot, m in sorted(view.promoted.items()):
+            self.log.emit("spare_promoted", epoch=view.epoch, slot=slot, pid=self._members[m].pid, member=m)
+        self._await_configured(view)
+
+    def _await_configured(self, view: View) -> None:
+        """Wait until every member built the epoch's transport; a failure meanwhile is handled by the loop."""
+        store = self._store
+        assert store is not None
+        t0 = time.monotonic()
+        poll = self.config.poll_interval.total_seconds()
+        while not self._stop.is_set():
+            self._refresh()
+            if any(m in self._dead for m in view.members) or view.epoch in self._suspected:
+                return  # the loop reconfigures from this epoch
+            if all(store.check([keys.configured(view.epoch, m)]) for m in view.members):
+                self.log.emit(
+                    "epoch_configured",
+                    epoch=view.epoch,
+                    world_size=view.world_size,
+                    members=list(view.members),
+                    configure_s=round(time.monotonic() - t0, 4),
+                )
+                return
+            if time.monotonic() - t0 > self.config.configure_timeout.total_seconds():
+                late = [m for m in view.members if not store.check([keys.configured(view.epoch, m)])]
+                for m in late:
+                    self._mark_dead(m, "configure timeout")
+                return
+            time.sleep(poll)
+
+    def _reconfigure(self, view: View) -> None:
+        store = self._store
+        assert store is not None
+        cfg = self.config
+        e = view.epoch
+        self._suspected.discard(e)
+        dead_slots = [s for s, m in enumerate(view.members) if m in self._dead]
+        store.set(keys.abort(e), json.dumps({"reason": "failure", "dead_slots": dead_slots}))
+        t0 = time.monotonic()
+        poll = cfg.poll_interval.total_seconds()
+        acked: set[int] = set()
+        while True:
+            self._refresh()
+            expected = {m for m in view.members if m not in self._dead}
+            acked = {m for m in expected if store.check([keys.ack(e, m)])}
+            if acked == expected or time.monotonic() - t0 > cfg.ack_timeout.total_seconds():
+                break
+            time.sleep(poll)
+        for m in view.members:
+            if m not in acked:
+                self._mark_dead(m, "no ack")
+        if 2 * len(acked) <= view.world_size:
+            raise _JobFailed(
+                f"no quorum: {len(acked)} of epoch {e}'s {view.world_size} members survived (a majority is needed)"
+            )
+        slots: list[int | None] = [m if m in acked else None for m in view.members]
+        lost = tuple(s for s, m in enumerate(slots) if m is None)
+        promoted: dict[int, int] = {}
+        if cfg.mode == "hotswap":
+            for s in lost:
+                with self._lock:
+                    spare = self._spares.pop(0) if self._spares else None
+                if spare is None:
+                    break
+                slots[s] = spare
+                promoted[s] = spare
+        new_members = tuple(m for m in slots if m is not None)
+        if len(new_members) < cfg.min_world_size:
+            raise _JobFailed(f"only {len(new_members)} members left, min_world_size is {cfg.min_world_size}")
+        rank_map = {old: new_members.index(m) for old, m in enumerate(view.members) if m in acked}
+        if not lost:
+            mode = "same"
+        elif len(promoted) == len(lost):
+            mode = "hotswap"
+        else:
+            mode = "shrink"
+        committed = store.get(keys.COMMITTED).decode() if store.check([keys.COMMITTED]) else "-1"
+        self._publish(
+            View(
+                epoch=e + 1,
+                job=cfg.job,
+                members=new_members,
+                lost_slots=lost,
+                promoted=promoted,
+                rank_map=rank_map,
+                committed_step=int(committed),
+                mode=mode,
+            )
+        )

@@ -1,0 +1,87 @@
+"""Names of the store keys shared by the coordinator and the members (one place for the wire layout)."""
+
+from __future__ import annotations
+
+__all__ = [
+    "JOB",
+    "EPOCH",
+    "FAILED",
+    "SHUTDOWN",
+    "COMMITTED",
+    "MEMBERS_NEXT",
+    "SUSPECT_NEXT",
+    "member",
+    "heartbeat",
+    "left",
+    "suspect",
+    "view",
+    "abort",
+    "ack",
+    "configured",
+    "votes",
+    "decision",
+    "transport_prefix",
+]
+
+JOB = "job"  # the job id
+EPOCH = "epoch"  # the newest published epoch ("-1" before the first)
+FAILED = "failed"  # why the job cannot continue (set once)
+SHUTDOWN = "shutdown"  # the job is over: spares stop waiting
+COMMITTED = "committed"  # the newest step committed everywhere
+MEMBERS_NEXT = "members/next"  # counter handing out member indices
+SUSPECT_NEXT = "suspect/next"  # counter numbering suspicion records
+
+
+def member(i: int) -> str:
+    """Registration record of member ``i`` (JSON :class:`~resilient_comm.view.MemberInfo`)."""
+    return f"member/{i}"
+
+
+def heartbeat(i: int) -> str:
+    """Heartbeat counter of member ``i``."""
+    return f"hb/{i}"
+
+
+def left(i: int) -> str:
+    """Set when member ``i`` leaves cleanly (not a failure)."""
+    return f"left/{i}"
+
+
+def suspect(n: int) -> str:
+    """Suspicion record ``n`` (JSON: member, epoch, reason)."""
+    return f"suspect/{n}"
+
+
+def view(epoch: int) -> str:
+    """View of ``epoch`` (JSON :class:`~resilient_comm.view.View`)."""
+    return f"view/{epoch}"
+
+
+def abort(epoch: int) -> str:
+    """Set when ``epoch`` is over: members abort its transport."""
+    return f"abort/{epoch}"
+
+
+def ack(epoch: int, i: int) -> str:
+    """Member ``i`` aborted ``epoch``'s transport and is alive."""
+    return f"ack/{epoch}/{i}"
+
+
+def configured(epoch: int, i: int) -> str:
+    """Member ``i`` built ``epoch``'s transport."""
+    return f"configured/{epoch}/{i}"
+
+
+def votes(epoch: int, step: int) -> str:
+    """Counter of ok-votes for ``step`` in ``epoch``."""
+    return f"votes/{epoch}/{step}"
+
+
+def decision(epoch: int, step: int) -> str:
+    """Commit decision of ``step`` in ``epoch``: ``1`` (everywhere) or ``0`` (nowhere), set once."""
+    return f"decision/{epoch}/{step}"
+
+
+def transport_prefix(epoch: int) -> str:
+    """Store prefix of ``epoch``'s data-plane rendezvous (never reused)."""
+    return f"ep{epoch}/"

@@ -1,0 +1,233 @@
+"""The member side of the control plane: registration, heartbeat, abort watch, views, votes.
+
+One :class:`StoreMembership` per process. It speaks to the coordinator only
+through the job's ``TCPStore`` (key names in :mod:`resilient_comm.keys`).
+A background thread with its own store client beats the heartbeat and watches
+for the abort of the epoch this process is in; when it sees one it calls the
+owner's callback (which aborts the epoch's transport) and then acknowledges.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from datetime import timedelta
+
+from torch.distributed import PrefixStore, Store, TCPStore
+
+from bindings.errors import CommTimeoutError, MembershipError
+from resilient_comm import keys
+from resilient_comm.view import ROLES, MemberInfo, View, decode_json
+
+__all__ = ["StoreMembership", "parse_address"]
+
+logger = logging.getLogger(__name__)
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """Split ``host:port`` (``[v6]:port`` too), or raise ``ValueError``."""
+    if not isinstance(address, str) or ":" not in address:
+        raise ValueError(f"address: expected 'host:port', got {address!r}")
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"address: expected 'host:port', got {address!r}")
+    return host, int(port)
+
+
+def _connect(host: str, port: int, timeout: timedelta) -> TCPStore:
+    return TCPStore(host, port, None, False, timeout=timeout, wait_for_workers=False)
+
+
+class StoreMembership:
+    """Registers this process with the coordinator and keeps it alive there.
+
+    Args:
+        address: The coordinator's ``host:port``.
+        job: The job id the process was started for (a mismatch is refused).
+        role: ``active`` (takes a slot of the first epoch) or ``spare``.
+        slot: The slot an active member asks for (``-1``: any).
+        heartbeat_interval: Period of heartbeats and of the abort watch.
+        timeout: Deadline of each store operation.
+
+    Raises:
+        ValueError: Bad arguments.
+        MembershipError: The store belongs to another job.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        job: str,
+        *,
+        role: str = "active",
+        slot: int = -1,
+        heartbeat_interval: timedelta = timedelta(milliseconds=50),
+        timeout: timedelta = timedelta(seconds=30),
+    ) -> None:
+        host, port = parse_address(address)
+        if role not in ROLES:
+            raise ValueError(f"role: must be one of {ROLES}, got {role!r}")
+        if isinstance(slot, bool) or not isinstance(slot, int) or slot < -1:
+            raise ValueError(f"slot: must be an int >= -1, got {slot!r}")
+        if role == "spare" and slot != -1:
+            raise ValueError("slot: a spare cannot ask for a slot")
+        if not isinstance(job, str) or not job:
+            raise ValueError(f"job: must be a non-empty string, got {job!r}")
+        for name, v in (("heartbeat_interval", heartbeat_interval), ("timeout", timeout)):
+            if not isinstance(v, timedelta) or v.total_seconds() <= 0:
+                raise ValueError(f"{name}: must be a positive datetime.timedelta, got {v!r}")
+        self.role = role
+        self.job = job
+        self._interval = heartbeat_interval.total_seconds()
+        self._store = _connect(host, port, timeout)
+        have = self._store.get(keys.JOB).decode()
+        if have != job:
+            raise MembershipError(f"job: this coordinator runs job {have!r}, not {job!r}")
+        self.index = int(self._store.add(keys.MEMBERS_NEXT, 1)) - 1
+        self._store.add(keys.heartbeat(self.index), 1)
+        self.info = MemberInfo(
+            index=self.index,
+            member_id=f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}",
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            role=role,
+            slot=slot,
+            job=job,
+        )
+        self._store.set(keys.member(self.index), self.info.to_json())
+        self._watch_store = _connect(host, port, timeout)
+        self._watch_epoch = -1  # the epoch whose abort the watcher looks for (-1: none)
+        self._aborted_upto = -1  # newest epoch whose abort was seen
+        self._on_abort: Callable[[int], None] | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name=f"sparsecomm-heartbeat-{self.index}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ watch
+    def watch(self, epoch: int, on_abort: Callable[[int], None]) -> None:
+        """From now on, call ``on_abort(epoch)`` (from the watcher thread) when ``epoch`` is aborted, then ack."""
+        with self._lock:
+            self._watch_epoch = epoch
+            self._on_abort = on_abort
+
+    def aborted(self, epoch: int) -> bool:
+        """Whether the abort of ``epoch`` (or a later one) was seen."""
+        return self._aborted_upto >= epoch
+
+    def _beat(self) -> None:
+        store = self._watch_store
+        while not self._stop.wait(self._interval):
+            try:
+                store.add(keys.heartbeat(self.index), 1)
+                with self._lock:
+                    epoch, cb = self._watch_epoch, self._on_abort
+                if epoch > self._aborted_upto and store.check([keys.abort(epoch)]):
+                    self._aborted_upto = epoch
+                    if cb is not None:
+                        cb(epoch)
+                    store.set(keys.ack(epoch, self.index), "1")
+            except Exception as exc:  # noqa: BLE001 - the coordinator went away: nothing to beat for
+                if not self._stop.is_set():
+                    logger.warning("heartbeat of member %d stopped: %s", self.index, exc)
+                return
+
+    # ------------------------------------------------------------------ views
+    def transport_store(self, epoch: int) -> Store:
+        """The store of ``epoch``'s data-plane rendezvous (a fresh prefix per epoch)."""
+        return PrefixStore(keys.transport_prefix(epoch), self._store)
+
+    def abort_info(self, epoch: int) -> dict[str, object]:
+        """What the coordinator said when it aborted ``epoch`` (empty if it has not)."""
+        if not self._store.check([keys.abort(epoch)]):
+            return {}
+        raw = self._store.get(keys.abort(epoch))
+        try:
+            return decode_json(raw, "abort record")
+        except ValueError:
+            return {"reason": raw.decode(errors="replace")}
+
+    def wait_view(self, after_epoch: int, deadline: float) -> View | None:
+        """Block until an epoch newer than ``after_epoch`` is published; return its view.
+
+        Returns ``None`` when the job shut down first.
+
+        Raises:
+            MembershipError: The job failed (no quorum, too few members).
+            CommTimeoutError: ``deadline`` (``time.monotonic()``) passed.
+        """
+        store = self._store
+        delay = 0.001
+        while True:
+            epoch = int(store.get(keys.EPOCH))
+            if epoch > after_epoch:
+                return View.from_json(store.get(keys.view(epoch)))
+            if store.check([keys.FAILED]):
+                raise MembershipError(f"the job failed: {store.get(keys.FAILED).decode(errors='replace')}")
+            if store.check([keys.SHUTDOWN]):
+                return None
+            if time.monotonic() > deadline:
+                raise CommTimeoutError(f"no epoch after {after_epoch} was formed in time")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.01)
+
+    def report(self, epoch: int, reason: str) -> None:
+        """Tell the coordinator that ``epoch``'s transport failed here."""
+        try:
+            n = int(self._store.add(keys.SUSPECT_NEXT, 1)) - 1
+            rec = {"member": self.index, "epoch": epoch, "reason": reason[:500]}
+            self._store.set(keys.suspect(n), json.dumps(rec))
+        except Exception as exc:  # noqa: BLE001 - the coordinator also sees exits and heartbeats
+            logger.warning("could not report a failure of epoch %d: %s", epoch, exc)
+
+    def configured(self, epoch: int) -> None:
+        """Tell the coordinator this member built ``epoch``'s transport."""
+        self._store.set(keys.configured(epoch, self.index), "1")
+
+    def vote(self, epoch: int, step: int, world_size: int, ok: bool, deadline: float) -> bool:
+        """The AND-vote of ``step`` over ``epoch``'s members; the same answer on every member.
+
+        Each ok-vote bumps a counter; the member that completes it writes the
+        decision ``1``. A not-ok vote, the abort of the epoch, or the deadline
+        writes ``0``. The decision key is written once (compare-and-set), so
+        every member reads the same value.
+        """
+        store = self._store
+        key = keys.decision(epoch, step)
+        if ok and not self.aborted(epoch):
+            if int(store.add(keys.votes(epoch, step), 1)) == world_size:
+                if store.compare_set(key, "", "1") == b"1":
+                    store.set(keys.COMMITTED, str(step))
+        else:
+            store.compare_set(key, "", "0")
+        delay = 0.0002
+        while not store.check([key]):
+            if self.aborted(epoch) or time.monotonic() > deadline:
+                store.compare_set(key, "", "0")
+                break
+            time.sleep(delay)
+            delay = min(delay * 2, 0.005)
+        return store.get(key) == b"1"
+
+    # ------------------------------------------------------------------ end
+    def leave(self) -> None:
+        """Leave cleanly (not a failure) and stop the heartbeat. Idempotent."""
+        if self._stop.is_set():
+            return
+        try:
+            self._store.set(keys.left(self.index), "1")
+        except Exception as exc:  # noqa: BLE001
+            logger.debug("could not mark member %d as left: %s", self.index, exc)
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def stop_heartbeat(self) -> None:
+        """Stop heartbeating without leaving (tests use this to look hung)."""
+        self._stop.set()
