@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from bindings.spawn import LocalRunError
+from optim.bench_optimizer import OptimizerBenchConfig, run_optimizer_bench
 from optim.cli_options import add_model_options, add_scape_options, model_settings, scape_settings
 from optim.convergence import DEFAULT_DENSITIES, run_convergence
 from optim.train import TrainConfig
@@ -23,6 +24,7 @@ __all__ = [
     "parse_size",
     "format_collectives_table",
     "format_convergence_table",
+    "format_optimizer_table",
     "write_convergence_plot",
 ]
 
@@ -300,6 +302,99 @@ def _add_convergence_parser(inner: Any) -> None:
     p.set_defaults(func=_cmd_convergence, cmd_parser=p)
 
 
+def format_optimizer_table(bench: dict[str, Any]) -> str:
+    """Render one line per optimizer: params, state/rank, wire bytes/step, step and opt.step times, speedup."""
+    c = bench["config"]
+    head = (
+        f"{'optimizer':>11} {'params':>10} {'state_MB/rank':>13} {'state/master':>12} {'wire_B/step':>12} "
+        f"{'wire/step':>9} {'step_ms':>8} {'opt.step_ms':>11} {'fwd+bwd_ms':>10} {'speedup':>8} {'opt_speedup':>11}"
+    )
+    lines = [
+        f"# nranks {bench['world_size']} (gloo, local); GPT d_model {c['d_model']} x {c['n_layers']} layers, "
+        f"context {c['context']}, batch {c['batch']}/rank; {c['warmup']} warm-up + {c['steps']} timed steps; "
+        f"SCAPE warm-up {c['scape_warmup_steps']}, mask delay {c['mask_delay']} (every timed SCAPE step sparse)",
+        "# time = median over timed steps, max over ranks; wire = bytes rank 0 sent per timed step; "
+        "state = master shard + m (+ v) per rank, max over ranks; speedup = ShardedAdamS time / row time",
+        head,
+    ]
+    for r in bench["rows"]:
+        lines.append(
+            f"{r['name']:>11} {r['num_parameters']:>10} {r['state_bytes_max'] / 1e6:>13.2f} "
+            f"{r['state_to_full_master']:>12.3f} {r['wire_bytes_per_step']:>12.0f} "
+            f"{_fmt_bytes(r['wire_bytes_per_step']):>9} {r['step_ms']:>8.1f} {r['opt_step_ms']:>11.1f} "
+            f"{r['fwd_bwd_ms']:>10.1f} {r['speedup']:>7.2f}x {r['opt_step_speedup']:>10.2f}x"
+        )
+    return "\n".join(lines)
+
+
+def _cmd_optimizer(args: argparse.Namespace) -> int:
+    try:
+        config = OptimizerBenchConfig(
+            nproc=args.nproc,
+            d_model=args.d_model,
+            n_layers=args.layers,
+            n_heads=args.heads,
+            batch=args.batch,
+            context=args.context,
+            steps=args.steps,
+            warmup=args.warmup,
+            densities=args.densities,
+            scape_warmup_steps=args.scape_warmup_steps,
+            mask_delay=args.mask_delay,
+            seed=args.seed,
+            threads=args.threads,
+            job_timeout_s=args.timeout,
+        )
+    except ValueError as exc:
+        args.cmd_parser.error(str(exc))
+    try:
+        bench = run_optimizer_bench(config)
+    except (LocalRunError, RuntimeError) as exc:
+        print(f"sparsecomm bench optimizer: error: {exc}", file=sys.stderr)
+        return 1
+    print(format_optimizer_table(bench))
+    print(f"total {bench['wall_time_s']:.0f} s")
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        meta = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine()}
+        path.write_text(json.dumps({**bench, "env": meta}, indent=1) + "\n")
+        print(f"wrote {path}")
+    return 0
+
+
+def _add_optimizer_parser(inner: Any) -> None:
+    d = OptimizerBenchConfig()
+    p = inner.add_parser(
+        "optimizer",
+        help="step time, opt.step() time, state memory and wire bytes of ShardedAdamW, ShardedAdamS and SCAPE",
+        description="Times forward + backward + opt.step() of the training job's GPT with ShardedAdamW, "
+        "ShardedAdamS and SCAPE at each density on local gloo ranks, in one run; prints a table.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--nproc", type=int, default=d.nproc, help="local ranks")
+    p.add_argument("--d-model", type=int, default=d.d_model, help="model width")
+    p.add_argument("--layers", type=int, default=d.n_layers, help="transformer blocks")
+    p.add_argument("--heads", type=int, default=d.n_heads, help="attention heads")
+    p.add_argument("--batch", type=int, default=d.batch, help="sequences per rank per step")
+    p.add_argument("--context", type=int, default=d.context, help="tokens per sequence")
+    p.add_argument("--steps", type=int, default=d.steps, help="timed steps per optimizer")
+    p.add_argument("--warmup", type=int, default=d.warmup, help="untimed steps per optimizer")
+    p.add_argument(
+        "--densities",
+        type=_densities,
+        default=d.densities,
+        help="comma list of SCAPE densities (default " + ",".join(f"{x:g}" for x in d.densities) + ")",
+    )
+    p.add_argument("--scape-warmup-steps", type=int, default=d.scape_warmup_steps, help="SCAPE: dense steps first")
+    p.add_argument("--mask-delay", type=int, default=d.mask_delay, help="SCAPE: mask delay D")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of init and tokens")
+    p.add_argument("--threads", type=int, default=d.threads, help="torch threads per rank")
+    p.add_argument("--timeout", type=float, default=d.job_timeout_s, help="deadline of the whole job, seconds")
+    p.add_argument("--json", metavar="FILE", help="also write the result as JSON")
+    p.set_defaults(func=_cmd_optimizer, cmd_parser=p)
+
+
 def add_bench_parser(subparsers: Any) -> None:
     """Register ``bench`` and its sub-subcommands."""
     bench = subparsers.add_parser("bench", help="run a benchmark")
@@ -349,3 +444,4 @@ def add_bench_parser(subparsers: Any) -> None:
     q.set_defaults(func=_cmd_pack, cmd_parser=q)
 
     _add_convergence_parser(inner)
+    _add_optimizer_parser(inner)

@@ -121,8 +121,35 @@ class FlatBucket:
         out[self.numel :].zero_()
         return out
 
+    @torch.no_grad()
+    def bind_params(self, flat: Tensor) -> bool:
+        """Make every fp32 parameter a view of ``flat`` (padded flat fp32), values kept.
+
+        Afterwards :meth:`gather_params` and :meth:`write_params` on ``flat``
+        copy nothing: a collective that writes ``flat`` writes the parameters
+        (a sparse step then touches only the masked coordinates instead of
+        copying the whole model twice). Parameters of another dtype stay as
+        they are and keep the copying path.
+
+        Returns:
+            Whether the parameters are now views of ``flat``.
+        """
+        if self.dtype != torch.float32 or flat.dtype != torch.float32:
+            return False
+        self.gather_params(flat)
+        for p, off in zip(self.params, self.offsets, strict=True):
+            p.data = flat[off : off + p.numel()].view(p.shape)
+        self._bound = flat
+        return True
+
+    def _is_bound(self, flat: Tensor) -> bool:
+        bound = getattr(self, "_bound", None)
+        return bound is not None and bound.data_ptr() == flat.data_ptr()
+
     def gather_params(self, out: Tensor) -> Tensor:
         """Fill ``out`` (padded flat fp32) with the current parameter values."""
+        if self._is_bound(out):
+            return out
         for p, off in zip(self.params, self.offsets, strict=True):
             out[off : off + p.numel()].copy_(p.detach().reshape(-1))
         out[self.numel :].zero_()
@@ -131,6 +158,8 @@ class FlatBucket:
     @torch.no_grad()
     def write_params(self, flat: Tensor) -> None:
         """Copy ``flat`` (at least N elements) into the parameters (cast to their dtype)."""
+        if self._is_bound(flat):
+            return
         for p, off in zip(self.params, self.offsets, strict=True):
             p.copy_(flat[off : off + p.numel()].view(p.shape))
 

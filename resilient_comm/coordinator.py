@@ -36,8 +36,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from torch.distributed import TCPStore
-
+from bindings.store import Store, open_store
 from resilient_comm import keys
 from resilient_comm.events import EventLog
 from resilient_comm.view import MODES, MemberInfo, View, decode_json
@@ -122,7 +121,7 @@ class Coordinator:
             raise TypeError(f"config: expected a CoordinatorConfig, got {type(config).__name__}")
         self.config = config
         self.log = EventLog(config.events)
-        self._store: TCPStore | None = None
+        self._store: Store | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._exits: queue.Queue[tuple[int, int]] = queue.Queue()
@@ -145,14 +144,7 @@ class Coordinator:
         if self._store is not None:
             raise RuntimeError("coordinator: already started")
         cfg = self.config
-        self._store = TCPStore(
-            cfg.host,
-            cfg.port,
-            None,
-            True,
-            timeout=timedelta(seconds=30),
-            wait_for_workers=False,
-        )
+        self._store = open_store(cfg.host, cfg.port, server=True, timeout=timedelta(seconds=30))
         self._store.set(keys.JOB, cfg.job)
         self._store.set(keys.EPOCH, "-1")
         self._thread = threading.Thread(target=self._run, name="sparsecomm-coordinator", daemon=True)
@@ -182,7 +174,7 @@ class Coordinator:
         host = self.config.host
         if host in ("", "0.0.0.0", "::"):
             host = socket.gethostname()
-        return f"{host}:{self._store.port}"
+        return f"{host}:{self._store.port}"  # type: ignore[attr-defined]
 
     @property
     def job(self) -> str:

@@ -19,9 +19,8 @@ import uuid
 from collections.abc import Callable
 from datetime import timedelta
 
-from torch.distributed import PrefixStore, Store, TCPStore
-
 from bindings.errors import CommTimeoutError, MembershipError
+from bindings.store import Store, open_store, prefix_store
 from resilient_comm import keys
 from resilient_comm.view import ROLES, MemberInfo, View, decode_json
 
@@ -41,8 +40,8 @@ def parse_address(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _connect(host: str, port: int, timeout: timedelta) -> TCPStore:
-    return TCPStore(host, port, None, False, timeout=timeout, wait_for_workers=False)
+def _connect(host: str, port: int, timeout: timedelta) -> Store:
+    return open_store(host, port, server=False, timeout=timeout)
 
 
 class StoreMembership:
@@ -142,7 +141,7 @@ class StoreMembership:
     # ------------------------------------------------------------------ views
     def transport_store(self, epoch: int) -> Store:
         """The store of ``epoch``'s data-plane rendezvous (a fresh prefix per epoch)."""
-        return PrefixStore(keys.transport_prefix(epoch), self._store)
+        return prefix_store(keys.transport_prefix(epoch), self._store)
 
     def abort_info(self, epoch: int) -> dict[str, object]:
         """What the coordinator said when it aborted ``epoch`` (empty if it has not)."""

@@ -1,0 +1,265 @@
+"""``sparsecomm launch``: a coordinator, N workers and S spares on this machine.
+
+The launcher hosts the coordinator (so no training process holds the store),
+starts every process with the environment :meth:`FaultAwareCommunicator.connect`
+reads, tells the coordinator at once when a process exits (faster than any
+heartbeat), forwards SIGINT / SIGTERM, and exits with the workers' status.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from types import FrameType
+
+from resilient_comm.communicator import ENV_ADDRESS, ENV_JOB, ENV_ROLE, ENV_SLOT
+from resilient_comm.coordinator import Coordinator, CoordinatorConfig
+
+__all__ = ["LaunchConfig", "Launcher", "launch", "ENV_BACKEND"]
+
+logger = logging.getLogger(__name__)
+
+#: The data-plane backend the launcher asks for (``gloo``, ``nccl``).
+ENV_BACKEND = "SPARSECOMM_BACKEND"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchConfig:
+    """What to start.
+
+    Attributes:
+        nproc: Workers (the first epoch's world size).
+        spares: Spare processes waiting in standby.
+        backend: Data plane of the workers (``gloo`` or ``nccl``), passed as ``SPARSECOMM_BACKEND``.
+        mode: ``hotswap`` (a spare takes a dead slot; shrink when none is left) or ``shrink``.
+        min_world_size: The job fails rather than run with fewer workers.
+        heartbeat_timeout: Silence after which a process counts as hung.
+        events: JSON-lines events file (``None``: none).
+        host: Address the coordinator binds to.
+        port: Coordinator port (0: any free port).
+        job_timeout: Deadline of the whole job (``None``: none); past it everything is killed.
+        env: Extra environment of every process.
+    """
+
+    nproc: int
+    spares: int = 0
+    backend: str = "gloo"
+    mode: str = "hotswap"
+    min_world_size: int = 1
+    heartbeat_timeout: timedelta = timedelta(seconds=2)
+    events: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 0
+    job_timeout: timedelta | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.nproc, bool) or not isinstance(self.nproc, int) or self.nproc < 1:
+            raise ValueError(f"nproc: must be an int >= 1, got {self.nproc!r}")
+        if isinstance(self.spares, bool) or not isinstance(self.spares, int) or self.spares < 0:
+            raise ValueError(f"spares: must be an int >= 0, got {self.spares!r}")
+        if self.backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend: must be 'gloo' or 'nccl', got {self.backend!r}")
+        if self.job_timeout is not None and (
+            not isinstance(self.job_timeout, timedelta) or self.job_timeout.total_seconds() <= 0
+        ):
+            raise ValueError(f"job_timeout: must be a positive datetime.timedelta, got {self.job_timeout!r}")
+        self.coordinator_config()  # validates mode, min_world_size, heartbeat_timeout, host, port
+
+    def coordinator_config(self, job: str | None = None) -> CoordinatorConfig:
+        """The coordinator settings of this launch."""
+        kw = {} if job is None else {"job": job}
+        return CoordinatorConfig(
+            world_size=self.nproc,
+            host=self.host,
+            port=self.port,
+            mode=self.mode,
+            min_world_size=self.min_world_size,
+            heartbeat_timeout=self.heartbeat_timeout,
+            ack_timeout=self.heartbeat_timeout,
+            events=self.events,
+            **kw,
+        )
+
+
+class Launcher:
+    """Runs one job: ``start()``, then ``wait()``; tests also use :meth:`pid_of_slot` and :meth:`add_spare`.
+
+    Args:
+        cmd: The worker command line (every process runs the same one).
+        config: What to start.
+    """
+
+    def __init__(self, cmd: Sequence[str], config: LaunchConfig) -> None:
+        if isinstance(cmd, str) or not cmd or not all(isinstance(a, str) for a in cmd):
+            raise ValueError("cmd: expected a non-empty list of strings")
+        if not isinstance(config, LaunchConfig):
+            raise TypeError(f"config: expected a LaunchConfig, got {type(config).__name__}")
+        self.cmd = list(cmd)
+        self.config = config
+        self.coordinator = Coordinator(config.coordinator_config())
+        self._procs: list[tuple[subprocess.Popen[bytes], str]] = []
+        self._reported: set[int] = set()
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        """Start the coordinator, the workers and the spares."""
+        self.coordinator.start()
+        for slot in range(self.config.nproc):
+            self._spawn("active", slot)
+        for _ in range(self.config.spares):
+            self._spawn("spare", -1)
+
+    def _spawn(self, role: str, slot: int) -> subprocess.Popen[bytes]:
+        env = dict(os.environ)
+        env.update(self.config.env)
+        env.update(
+            {
+                ENV_ADDRESS: self.coordinator.address,
+                ENV_JOB: self.coordinator.job,
+                ENV_ROLE: role,
+                ENV_SLOT: str(slot),
+                ENV_BACKEND: self.config.backend,
+            }
+        )
+        proc = subprocess.Popen(self.cmd, env=env)
+        with self._lock:
+            self._procs.append((proc, role))
+        logger.info("started %s pid %d%s", role, proc.pid, f" for slot {slot}" if slot >= 0 else "")
+        return proc
+
+    def add_spare(self) -> int:
+        """Start one more spare while the job runs; returns its pid."""
+        return self._spawn("spare", -1).pid
+
+    def pid_of_slot(self, slot: int) -> int:
+        """The pid of the process holding ``slot`` in the current epoch."""
+        view = self.coordinator.view
+        if view is None:
+            raise RuntimeError("no epoch has formed yet")
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < view.world_size:
+            raise ValueError(f"slot: must be in [0, {view.world_size}), got {slot!r}")
+        return self.coordinator.members()[view.members[slot]].pid
+
+    def spare_pids(self) -> list[int]:
+        """The pids of the live spares."""
+        members = self.coordinator.members()
+        return [members[i].pid for i in self.coordinator.spares()]
+
+    def signal_all(self, sig: int) -> None:
+        """Send ``sig`` to every process still running."""
+        with self._lock:
+            procs = [p for p, _ in self._procs]
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    p.send_signal(sig)
+                except ProcessLookupError:
+                    pass
+
+    def _poll(self) -> None:
+        with self._lock:
+            procs = list(self._procs)
+        for p, _ in procs:
+            code = p.poll()
+            if code is not None and p.pid not in self._reported:
+                self._reported.add(p.pid)
+                self.coordinator.notify_exit(p.pid, code)
+
+    def wait(self, poll_interval: float = 0.01) -> int:
+        """Supervise until the job ends; return its exit status.
+
+        The job ends when every member of the current epoch has exited (status:
+        0 if they all exited 0, else the first non-zero status), when the
+        coordinator declares it failed (status 1), or at ``job_timeout`` (124).
+        """
+        deadline = None if self.config.job_timeout is None else time.monotonic() + self.config.job_timeout.total_seconds()
+        code = 0
+        try:
+            while True:
+                self._poll()
+                if self.coordinator.failed is not None:
+                    logger.error("job failed: %s", self.coordinator.failed)
+                    code = 1
+                    break
+                done = self._members_done()
+                if done is not None:
+                    code = done
+                    break
+                if deadline is not None and time.monotonic() > deadline:
+                    logger.error("job timed out")
+                    code = 124
+                    break
+                time.sleep(poll_interval)
+        finally:
+            self._finish()
+        return code
+
+    def _members_done(self) -> int | None:
+        view = self.coordinator.view
+        if view is None:
+            return None
+        members = self.coordinator.members()
+        pids = {members[m].pid for m in view.members}
+        with self._lock:
+            procs = {p.pid: p for p, _ in self._procs}
+        codes = [procs[pid].poll() if pid in procs else 0 for pid in pids]
+        if any(c is None for c in codes):
+            return None
+        # A member that died and was not replaced yet is the coordinator's to handle.
+        time.sleep(0.05)
+        self._poll()
+        if self.coordinator.view is not view:
+            return None
+        bad = [c for c in codes if c]
+        return bad[0] if bad else 0
+
+    def _finish(self, grace: float = 10.0) -> None:
+        self.coordinator.shutdown()
+        end = time.monotonic() + grace
+        with self._lock:
+            procs = [p for p, _ in self._procs]
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.0, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self._poll()
+        time.sleep(0.05)  # let the coordinator log the last exits
+        self.coordinator.stop()
+
+
+def launch(cmd: Sequence[str], config: LaunchConfig) -> int:
+    """Run ``cmd`` as a fault-tolerant job (see :class:`Launcher`), forwarding SIGINT and SIGTERM.
+
+    Returns:
+        The job's exit status.
+    """
+    launcher = Launcher(cmd, config)
+    previous: dict[int, object] = {}
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        logger.warning("forwarding signal %d to the job", signum)
+        launcher.signal_all(signum)
+
+    in_main = threading.current_thread() is threading.main_thread()
+    if in_main:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, forward)
+    try:
+        launcher.start()
+        return launcher.wait()
+    finally:
+        if in_main:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)  # type: ignore[arg-type]
+        sys.stdout.flush()

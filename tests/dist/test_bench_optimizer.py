@@ -1,0 +1,71 @@
+"""``sparsecomm bench optimizer`` on 2 spawned gloo ranks, a tiny GPT and a few steps."""
+
+from __future__ import annotations
+
+import pytest
+
+from bindings.stats import ring_bytes
+from optim.bench_cli import format_optimizer_table
+from optim.bench_optimizer import OptimizerBenchConfig, optimizer_bench_worker, summarize_ranks
+from optim.model import GPT
+from tests.dist.harness import run_ranks
+
+pytestmark = pytest.mark.dist
+
+TINY = OptimizerBenchConfig(
+    nproc=2, d_model=32, n_layers=1, n_heads=2, context=16, batch=1, steps=3, warmup=2, job_timeout_s=60.0
+)
+NAMES = ["adamw", "adams", "scape@0.1", "scape@0.01"]
+
+
+def test_config_rejects_a_warmup_that_would_time_dense_scape_steps() -> None:
+    with pytest.raises(ValueError, match="warmup"):
+        OptimizerBenchConfig(warmup=1, scape_warmup_steps=1, mask_delay=1)
+    with pytest.raises(ValueError, match="densities"):
+        OptimizerBenchConfig(densities=(1.0,))
+
+
+@pytest.mark.timeout(120)
+def test_optimizer_bench_structure_and_sanity() -> None:
+    per_rank = run_ranks(optimizer_bench_worker, 2, TINY, timeout=90.0)
+    assert [pr["rank"] for pr in per_rank] == [0, 1]
+    bench = summarize_ranks(TINY, per_rank)
+    rows = {r["name"]: r for r in bench["rows"]}
+    assert list(rows) == NAMES
+
+    n = GPT(TINY.model_config()).num_parameters()
+    shard = -(-n // 2)
+    n_state = {"adamw": 3, "adams": 2, "scape@0.1": 2, "scape@0.01": 2}
+    for name, r in rows.items():
+        assert r["num_parameters"] == n and r["param_bytes"] == 4 * n and r["shard_size"] == shard
+        # Every rank holds exactly its shard of the master weights and of each state tensor.
+        assert r["state_bytes_per_rank"] == [n_state[name] * 4 * shard] * 2
+        parts = {"master", "exp_avg"} | ({"exp_avg_sq"} if name == "adamw" else set())
+        assert r["state_bytes_by_part"] == {p: 4 * shard for p in parts}
+        assert r["state_to_full_master"] == pytest.approx(n_state[name] * shard / n)
+        assert r["step_ms"] > 0 and r["opt_step_ms"] > 0 and r["opt_step_ms"] <= r["step_ms"]
+        # Timings are the max over ranks of the per-rank medians.
+        assert max(r["step_ms_per_rank_median"]) == pytest.approx(r["step_ms"])
+        assert r["wire_bytes_per_step"] > 0
+
+    # Dense ZeRO-1: one reduce_scatter + one all_gather of the padded flat fp32 buffer per step.
+    rs, _ = ring_bytes("reduce_scatter", 4 * shard, 2)
+    ag, _ = ring_bytes("all_gather", 4 * shard, 2)
+    for name in ("adamw", "adams"):
+        by_op = rows[name]["wire_bytes_per_step_by_op"]
+        assert by_op["reduce_scatter"] == rs and by_op["all_gather"] == ag
+
+    # SCAPE: every timed step sparse, fewer wire bytes than dense, fewer at the lower density.
+    for name in ("scape@0.1", "scape@0.01"):
+        r = rows[name]
+        assert r["sparse_steps"] == TINY.steps
+        assert "reduce_scatter" not in r["wire_bytes_per_step_by_op"]
+        assert {"sparse_reduce_scatter", "sparse_all_gather"} <= set(r["wire_bytes_per_step_by_op"])
+        assert r["wire_bytes_per_step"] < rows["adams"]["wire_bytes_per_step"]
+    assert rows["scape@0.01"]["wire_bytes_per_step"] < rows["scape@0.1"]["wire_bytes_per_step"]
+
+    assert rows["adams"]["speedup"] == pytest.approx(1.0)
+    for r in rows.values():
+        assert r["speedup"] == pytest.approx(rows["adams"]["step_ms"] / r["step_ms"])
+    table = format_optimizer_table(bench).splitlines()
+    assert len(table) == 3 + len(NAMES) and table[-1].split()[0] == "scape@0.01"
