@@ -376,6 +376,7 @@ def run_torchft_recovery(
     pg_timeout_s: float = 5.0,
     rust_log: str = "warn",
     min_replicas: int | None = None,
+    events_dir: str | None = None,
 ) -> dict[str, Any]:
     """Kills one torchft replica group mid-training and measures how the rest and a replacement recover.
 
@@ -397,6 +398,7 @@ def run_torchft_recovery(
             every quorum at INFO).
         min_replicas: Lighthouse ``min_replicas`` and Manager ``min_replica_size``; None means ``n - 1`` (the
             survivors alone form a valid quorum).
+        events_dir: If set, the raw per-replica JSON-lines event files are copied into this directory.
         step_sleep_s: Sleep between quorum and allreduce that stands in for compute.
         heartbeat_timeout_ms: Lighthouse: heartbeat age after which a replica counts as dead.
         join_timeout_ms: Lighthouse: how long a valid quorum waits for heartbeating stragglers.
@@ -579,6 +581,12 @@ def run_torchft_recovery(
         result["fatal_events"] = [
             {"replica": label, **e} for label, path in files.items() for e in _read_events(path) if e["kind"] == "fatal"
         ]
+        if events_dir is not None:
+            Path(events_dir).mkdir(parents=True, exist_ok=True)
+            for path in files.values():
+                if path.exists():
+                    shutil.copy2(path, Path(events_dir) / path.name)
+            result["events_dir"] = events_dir
         shutil.rmtree(workdir, ignore_errors=True)
     return result
 

@@ -28,6 +28,7 @@ import sparsecomm
 from bindings.spawn import LocalRunError
 from optim.bench_cli import add_bench_parser
 from optim.cli_options import add_model_options, add_scape_options, model_settings, scape_settings
+from optim.launch_cli import add_launch_parsers
 from optim.train import OPTIMIZERS, TrainConfig, run_training, wire_bytes_summary
 
 __all__ = [
@@ -291,6 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_train_parser(subparsers)
     add_bench_parser(subparsers)
+    add_launch_parsers(subparsers)
     return parser
 
 

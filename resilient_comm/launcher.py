@@ -181,7 +181,8 @@ class Launcher:
         0 if they all exited 0, else the first non-zero status), when the
         coordinator declares it failed (status 1), or at ``job_timeout`` (124).
         """
-        deadline = None if self.config.job_timeout is None else time.monotonic() + self.config.job_timeout.total_seconds()
+        limit = self.config.job_timeout
+        deadline = None if limit is None else time.monotonic() + limit.total_seconds()
         code = 0
         try:
             while True:

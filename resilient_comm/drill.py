@@ -1,0 +1,136 @@
+"""A fault drill worker: ``python -m resilient_comm.drill`` under :func:`resilient_comm.launcher.launch`.
+
+Each process loops ``all_reduce`` steps over a :class:`FaultAwareCommunicator`,
+checks every sum against the value expected for the current membership, votes
+each step, and on a failure reconfigures and resumes at the last committed
+step. It appends one JSON object per event to ``LOG_DIR/<pid>.jsonl``
+(``time`` is ``time.time()``), which the fault tests and ``sparsecomm bench
+recovery`` read:
+
+* ``joined`` / ``promoted``: epoch, rank, world_size;
+* ``committed``: step, epoch, rank, world_size (every committed step);
+* ``raised``: the step and the error of a failed collective;
+* ``reconfigured``: the :class:`~resilient_comm.Reconfiguration` fields;
+* ``resources``: open fds, threads and RSS bytes (every ``--resource-every`` steps);
+* ``done`` / ``error``.
+
+A wrong sum exits with status 2, a membership that cannot go on with 3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bindings.errors import CommError, MembershipError, PeerFailureError
+from resilient_comm.communicator import FaultAwareCommunicator
+
+__all__ = ["value_for", "expected_sum", "resources", "main"]
+
+
+def value_for(step: int, slot: int) -> float:
+    """The value slot ``slot`` contributes at ``step``."""
+    return float(step * 1000 + slot + 1)
+
+
+def expected_sum(step: int, world_size: int) -> float:
+    """The all_reduce sum of ``value_for`` over ``world_size`` slots."""
+    return world_size * step * 1000.0 + world_size * (world_size + 1) / 2
+
+
+def resources() -> dict[str, int]:
+    """Open file descriptors, OS threads and resident bytes of this process (Linux ``/proc``)."""
+    fds = len(os.listdir("/proc/self/fd"))
+    threads = rss = 0
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("Threads:"):
+            threads = int(line.split()[1])
+        elif line.startswith("VmRSS:"):
+            rss = int(line.split()[1]) * 1024
+    return {"fds": fds, "threads": threads, "py_threads": threading.active_count(), "rss": rss}
+
+
+class _Log:
+    def __init__(self, directory: str | None) -> None:
+        self._file = None
+        if directory:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+            self._file = open(Path(directory) / f"{os.getpid()}.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+
+    def __call__(self, event: str, **fields: Any) -> None:
+        if self._file is not None:
+            rec = {"time": time.time(), "event": event, "pid": os.getpid(), **fields}
+            self._file.write(json.dumps(rec, sort_keys=True) + "\n")
+            self._file.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the drill (see the module docstring); returns the exit status."""
+    p = argparse.ArgumentParser(prog="python -m resilient_comm.drill", description="all_reduce fault drill")
+    p.add_argument("--steps", type=int, default=50, help="committed steps to run")
+    p.add_argument("--numel", type=int, default=1 << 16, help="float32 elements per all_reduce")
+    p.add_argument("--sleep", type=float, default=0.0, help="seconds of 'compute' per step")
+    p.add_argument("--timeout", type=float, default=30.0, help="deadline of each collective (s)")
+    p.add_argument("--log", default=None, help="directory of the per-process event files")
+    p.add_argument("--resource-every", type=int, default=0, help="log fds/threads/RSS every N steps (0: never)")
+    args = p.parse_args(argv)
+    log = _Log(args.log)
+    comm = FaultAwareCommunicator.connect(timeout=timedelta(seconds=args.timeout))
+    step = 0
+    try:
+        if comm.view is None:
+            change = comm.wait_for_promotion()
+            if change is None:
+                log("done", step=0, spare_unused=True)
+                comm.close()
+                return 0
+            step = change.committed_step + 1
+            log("promoted", **dataclasses.asdict(change))
+        else:
+            log("joined", epoch=comm.epoch, rank=comm.rank, world_size=comm.world_size)
+        buf = torch.empty(args.numel, dtype=torch.float32)
+        while step < args.steps:
+            try:
+                buf.fill_(value_for(step, comm.rank))
+                comm.all_reduce(buf)
+                want = expected_sum(step, comm.world_size)
+                if not bool(torch.all(buf == want)):
+                    log("error", step=step, reason=f"wrong sum {buf[0].item()} != {want}")
+                    return 2
+                if args.sleep:
+                    time.sleep(args.sleep)
+                if comm.commit(step):
+                    log("committed", step=step, epoch=comm.epoch, rank=comm.rank, world_size=comm.world_size)
+                    if args.resource_every and step % args.resource_every == 0:
+                        log("resources", step=step, **resources())
+                    step += 1
+            except PeerFailureError as exc:
+                log("raised", step=step, epoch=comm.epoch, error=str(exc)[:300], failed=sorted(exc.failed_ranks))
+                change = comm.reconfigure()
+                step = change.committed_step + 1
+                log("reconfigured", **dataclasses.asdict(change))
+        log("done", step=step, epoch=comm.epoch, rank=comm.rank)
+        comm.close()
+        return 0
+    except MembershipError as exc:
+        log("error", step=step, reason=f"{type(exc).__name__}: {exc}")
+        print(f"drill: cannot continue: {exc}", file=sys.stderr)
+        return 3
+    except CommError as exc:
+        log("error", step=step, reason=f"{type(exc).__name__}: {exc}")
+        print(f"drill: {exc}", file=sys.stderr)
+        return 4
+
+
+if __name__ == "__main__":
+    sys.exit(main())
