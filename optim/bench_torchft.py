@@ -514,7 +514,7 @@ def run_torchft_recovery(
         if replacement is not None and prewarm:
             spawn(replacement, victim, go=go_file)
 
-        # Phase 1: wait until the victim has committed kill_step steps in a full quorum, then SIGKILL it.
+        # Phase 1: wait until the victim has committed kill_step steps (quorum size is recorded), then SIGKILL it.
         while time.time() < deadline:
             ev = _read_events(files[victim_label])
             if any(e["kind"] == "fatal" for e in ev):

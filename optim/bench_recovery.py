@@ -1,0 +1,295 @@
+"""Recovery benchmark: how fast a fault-aware job gets back to committed steps after a failure.
+
+Each scenario runs :mod:`resilient_comm.drill` (an all_reduce loop with a
+commit vote) under :class:`resilient_comm.launcher.Launcher` with ``nproc``
+workers and ``spares`` spares on local gloo ranks, waits until step
+``fault_step`` is committed, then SIGKILLs (or SIGSTOPs) the worker in slot 1
+from outside and measures, from the signal:
+
+* ``raised_s``: until every survivor's collective raised (``raised_first_s``:
+  the first one, a direct ring neighbour);
+* ``detected_s``: until the coordinator declared the failure (process exit,
+  or for SIGSTOP the heartbeat timeout);
+* ``configured_s``: until every member built the new epoch's transport;
+* ``first_commit_s``: until every member of the new epoch committed its first step.
+
+Times come from ``time.time()`` in the processes (one machine, one clock). Each
+scenario is repeated and the median reported. Nothing prints here; the CLI does.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from resilient_comm.launcher import LaunchConfig, Launcher
+
+__all__ = ["RecoveryBenchConfig", "run_recovery_scenario", "run_recovery_bench", "PHASES"]
+
+logger = logging.getLogger(__name__)
+
+#: Measured phases, in order.
+PHASES = ("raised_first_s", "raised_s", "detected_s", "configured_s", "first_commit_s")
+_FAULTS = {"sigkill": signal.SIGKILL, "sigstop": signal.SIGSTOP}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecoveryBenchConfig:
+    """What to measure.
+
+    Attributes:
+        nprocs: Worker counts to run.
+        spares: Spares per job (``>= 1``: hot-swap; 0: shrink).
+        faults: ``sigkill`` and/or ``sigstop``.
+        repeats: Runs per (nproc, fault); the median is reported.
+        numel: float32 elements per all_reduce.
+        sleep_s: Seconds of "compute" per step.
+        fault_step: The fault comes once this step is committed.
+        steps_after: Committed steps to run after the fault.
+        heartbeat_timeout_s: Silence after which a process counts as hung.
+        timeout_s: Deadline of one scenario.
+    """
+
+    nprocs: tuple[int, ...] = (4, 8)
+    spares: int = 1
+    faults: tuple[str, ...] = ("sigkill", "sigstop")
+    repeats: int = 3
+    numel: int = 1 << 16
+    sleep_s: float = 0.02
+    fault_step: int = 10
+    steps_after: int = 10
+    heartbeat_timeout_s: float = 1.0
+    timeout_s: float = 180.0
+
+    def __post_init__(self) -> None:
+        if not self.nprocs or any(isinstance(n, bool) or not isinstance(n, int) or n < 2 for n in self.nprocs):
+            raise ValueError(f"nprocs: every world size must be an int >= 2, got {self.nprocs!r}")
+        if not self.faults or any(f not in _FAULTS for f in self.faults):
+            raise ValueError(f"faults: choose from {sorted(_FAULTS)}, got {self.faults!r}")
+        for name in ("spares", "numel", "fault_step", "steps_after", "repeats"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name in ("spares", "fault_step") else 1):
+                raise ValueError(f"{name}: bad value {v!r}")
+        for name in ("sleep_s", "heartbeat_timeout_s", "timeout_s"):
+            if getattr(self, name) < 0 or (name != "sleep_s" and getattr(self, name) == 0):
+                raise ValueError(f"{name}: bad value {getattr(self, name)!r}")
+
+
+def _read_logs(directory: Path) -> dict[int, list[dict[str, Any]]]:
+    out: dict[int, list[dict[str, Any]]] = {}
+    for path in directory.glob("*.jsonl"):
+        recs = []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                recs.append(json.loads(line))
+            except ValueError:
+                continue  # a line cut by a kill
+        out[int(path.stem)] = recs
+    return out
+
+
+def _committed(logs: dict[int, list[dict[str, Any]]], pid: int) -> int:
+    return max((r["step"] for r in logs.get(pid, []) if r["event"] == "committed"), default=-1)
+
+
+def run_recovery_scenario(
+    nproc: int, fault: str, config: RecoveryBenchConfig, *, workdir: str | Path | None = None
+) -> dict[str, Any]:
+    """Run one job, inject one fault, return the phase times (seconds from the signal)."""
+    if fault not in _FAULTS:
+        raise ValueError(f"fault: choose from {sorted(_FAULTS)}, got {fault!r}")
+    root = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="sparsecomm-recovery-"))
+    logdir = root / f"n{nproc}-{fault}-{time.monotonic_ns()}"
+    logdir.mkdir(parents=True)
+    steps = config.fault_step + config.steps_after + 1
+    cmd = [
+        sys.executable,
+        "-m",
+        "resilient_comm.drill",
+        "--steps",
+        str(steps),
+        "--numel",
+        str(config.numel),
+        "--sleep",
+        str(config.sleep_s),
+        "--log",
+        str(logdir),
+    ]
+    repo = str(Path(__file__).resolve().parents[1])
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH", "")]))}
+    launcher = Launcher(
+        cmd,
+        LaunchConfig(
+            nproc=nproc,
+            spares=config.spares,
+            mode="hotswap" if config.spares else "shrink",
+            heartbeat_timeout=timedelta(seconds=config.heartbeat_timeout_s),
+            job_timeout=timedelta(seconds=config.timeout_s),
+            events=str(root / f"{logdir.name}.events.jsonl"),
+            env=env,
+        ),
+    )
+    status: list[int] = []
+    deadline = time.monotonic() + config.timeout_s
+    victim = -1
+    launcher.start()
+    waiter = threading.Thread(target=lambda: status.append(launcher.wait()), daemon=True)
+    waiter.start()
+    try:
+        _until(lambda: launcher.coordinator.view is not None, deadline, "the first epoch")
+        slot0 = launcher.pid_of_slot(0)
+        _until(lambda: _committed(_read_logs(logdir), slot0) >= config.fault_step, deadline, "the fault step")
+        victim = launcher.pid_of_slot(1)
+        t_fault = time.time()
+        os.kill(victim, _FAULTS[fault])
+        _until(lambda: _new_epoch_configured(launcher), deadline, "the new epoch")
+        if fault == "sigstop":
+            os.kill(victim, signal.SIGKILL)  # measured; let the job end without the grace period
+        waiter.join(timeout=max(0.0, deadline - time.monotonic()))
+    finally:
+        if victim > 0:
+            try:
+                os.kill(victim, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if waiter.is_alive():
+            launcher.signal_all(signal.SIGKILL)
+            waiter.join(timeout=30)
+    if not status or status[0] != 0:
+        raise RuntimeError(f"recovery scenario n={nproc} {fault}: job exited with {status or 'nothing'} ({logdir})")
+    return _phases(_read_logs(logdir), launcher.coordinator.log.events, victim, t_fault) | {
+        "nproc": nproc,
+        "fault": fault,
+        "spares": config.spares,
+    }
+
+
+def _until(cond: Callable[[], bool], deadline: float, what: str) -> None:
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"recovery scenario: timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def _new_epoch_configured(launcher: Launcher) -> bool:
+    return any(e["event"] == "epoch_configured" and (e["epoch"] or 0) >= 1 for e in launcher.coordinator.log.events)
+
+
+def _phases(
+    logs: dict[int, list[dict[str, Any]]], events: list[dict[str, Any]], victim: int, t_fault: float
+) -> dict[str, Any]:
+    raised = [
+        min(r["time"] for r in recs if r["event"] == "raised" and r["time"] >= t_fault)
+        for pid, recs in logs.items()
+        if pid != victim and any(r["event"] == "raised" and r["time"] >= t_fault for r in recs)
+    ]
+    survivors = [pid for pid, recs in logs.items() if pid != victim and any(r["event"] == "joined" for r in recs)]
+    detected = min(e["time"] for e in events if e["event"] == "failure_detected" and e["pid"] == victim)
+    configured = min(e["time"] for e in events if e["event"] == "epoch_configured" and (e["epoch"] or 0) >= 1)
+    members = [pid for pid, recs in logs.items() if pid != victim and any(r["event"] == "done" for r in recs)]
+    first_commit = [
+        min(r["time"] for r in logs[pid] if r["event"] == "committed" and r["epoch"] >= 1 and r["time"] >= t_fault)
+        for pid in members
+        if any(r["event"] == "committed" and r["epoch"] >= 1 for r in logs[pid])
+    ]
+    promoted = any(r["event"] == "promoted" for recs in logs.values() for r in recs)
+    return {
+        "survivors": len(survivors),
+        "survivors_raised": len(raised),
+        "raised_first_s": min(raised) - t_fault if raised else None,
+        "raised_s": max(raised) - t_fault if len(raised) == len(survivors) else None,
+        "detected_s": detected - t_fault,
+        "configured_s": configured - t_fault,
+        "first_commit_s": max(first_commit) - t_fault if first_commit else None,
+        "hot_swap": promoted,
+    }
+
+
+def run_recovery_bench(
+    config: RecoveryBenchConfig,
+    *,
+    torchft: bool = False,
+    on_run: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Every (nproc, fault) scenario ``repeats`` times; medians per phase (plus torchft's where asked)."""
+    rows = []
+    for nproc in config.nprocs:
+        for fault in config.faults:
+            runs = []
+            for _ in range(config.repeats):
+                run = run_recovery_scenario(nproc, fault, config)
+                runs.append(run)
+                if on_run is not None:
+                    on_run(run)
+            rows.append({"system": "sparsecomm", "nproc": nproc, "fault": fault, "runs": runs, **_medians(runs)})
+    if torchft:
+        rows.extend(_torchft_rows(config, on_run))
+    return {"config": asdict(config), "rows": rows}
+
+
+def _medians(runs: list[dict[str, Any]]) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    for phase in PHASES:
+        values = [r[phase] for r in runs if r.get(phase) is not None]
+        out[phase] = statistics.median(values) if values else None
+    return out
+
+
+def _torchft_rows(config: RecoveryBenchConfig, on_run: Callable[[dict[str, Any]], None] | None) -> list[dict[str, Any]]:
+    try:
+        from optim.bench_torchft import run_torchft_recovery
+    except ImportError as exc:  # pragma: no cover - optional
+        logger.warning("torchft comparison skipped: %s", exc)
+        return []
+    rows = []
+    for nproc in config.nprocs:
+        runs = []
+        for _ in range(config.repeats):
+            try:
+                raw = run_torchft_recovery(
+                    n=nproc,
+                    kill_step=config.fault_step,
+                    steps=config.fault_step + config.steps_after + 1,
+                    numel=config.numel,
+                    prewarm=config.spares > 0,  # like our spares: a process already started, waiting
+                    restart=config.spares > 0,
+                    step_sleep_s=config.sleep_s,
+                    heartbeat_timeout_ms=int(config.heartbeat_timeout_s * 1000),
+                )
+            except Exception as exc:  # noqa: BLE001 - a baseline that fails is reported, not fatal
+                logger.warning("torchft run failed: %s", exc)
+                continue
+            run = {"nproc": nproc, "fault": "sigkill", **torchft_phases(raw), "raw": raw}
+            runs.append(run)
+            if on_run is not None:
+                on_run({"system": "torchft", **run})
+        rows.append({"system": "torchft", "nproc": nproc, "fault": "sigkill", "runs": runs, **_medians(runs)})
+    return rows
+
+
+def torchft_phases(raw: dict[str, Any]) -> dict[str, float | None]:
+    """Map a torchft run onto :data:`PHASES` (torchft has no separate detection event)."""
+    err = raw.get("every_survivor_error_seen_s") or {}
+    quorum = raw.get("every_survivor_new_quorum_s") or {}
+    commit = raw.get("every_survivor_first_commit_after_kill_s") or {}
+    rep = raw.get("replacement") or {}
+    commits = [c for c in (commit.get("max"), rep.get("first_commit_s")) if c is not None]
+    return {
+        "raised_first_s": err.get("min"),
+        "raised_s": err.get("max"),
+        "detected_s": None,
+        "configured_s": quorum.get("max"),
+        "first_commit_s": max(commits) if commits and commit.get("max") is not None else None,
+    }

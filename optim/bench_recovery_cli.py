@@ -1,0 +1,93 @@
+"""``sparsecomm bench recovery``: the recovery benchmark's options, table and JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from optim.bench_recovery import PHASES, RecoveryBenchConfig, run_recovery_bench
+
+__all__ = ["add_recovery_parser", "format_recovery_table"]
+
+_LABELS = {
+    "raised_first_s": "first raised",
+    "raised_s": "all raised",
+    "detected_s": "detected",
+    "configured_s": "epoch configured",
+    "first_commit_s": "first commit",
+}
+
+
+def format_recovery_table(bench: dict[str, Any]) -> str:
+    """One row per (system, nproc, fault): median seconds from the signal to each phase."""
+    cfg = bench["config"]
+    head = (
+        f"# recovery after one fault in slot 1; {cfg['spares']} spare(s); heartbeat timeout "
+        f"{cfg['heartbeat_timeout_s']} s; all_reduce of {cfg['numel']} floats + commit vote per step; "
+        f"median of {cfg['repeats']} runs; seconds from the signal"
+    )
+    cols = ["system", "nproc", "fault", "runs", *(_LABELS[p] for p in PHASES)]
+    lines = [head, "  ".join(f"{c:>16}" for c in cols)]
+    for row in bench["rows"]:
+        cells = [row["system"], str(row["nproc"]), row["fault"], str(len(row["runs"]))]
+        cells += ["-" if row.get(p) is None else f"{row[p]:.3f}" for p in PHASES]
+        lines.append("  ".join(f"{c:>16}" for c in cells))
+    return "\n".join(lines)
+
+
+def _cmd_recovery(args: argparse.Namespace) -> int:
+    try:
+        config = RecoveryBenchConfig(
+            nprocs=tuple(args.nproc),
+            spares=args.spares,
+            faults=tuple(args.fault),
+            repeats=args.repeats,
+            numel=args.numel,
+            heartbeat_timeout_s=args.heartbeat_timeout,
+        )
+    except ValueError as exc:
+        args.cmd_parser.error(str(exc))
+
+    def progress(run: dict[str, Any]) -> None:
+        phases = ", ".join(f"{p}={run[p]:.3f}" for p in PHASES if run.get(p) is not None)
+        print(f"  {run.get('system', 'sparsecomm')} n={run['nproc']} {run['fault']}: {phases}", flush=True)
+
+    try:
+        bench = run_recovery_bench(config, torchft=args.torchft, on_run=progress)
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"sparsecomm bench recovery: error: {exc}", file=sys.stderr)
+        return 1
+    print(format_recovery_table(bench))
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        meta = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine()}
+        path.write_text(json.dumps({**bench, "env": meta}, indent=1, default=str) + "\n")
+        print(f"wrote {path}")
+    return 0
+
+
+def add_recovery_parser(inner: Any) -> None:
+    """Register ``bench recovery``."""
+    p = inner.add_parser(
+        "recovery",
+        help="time from a SIGKILL / SIGSTOP to survivors raising, the new epoch and the first committed step",
+        description="Fault-aware all_reduce jobs on local gloo ranks (resilient_comm.drill under our launcher).",
+    )
+    p.add_argument("--nproc", type=int, nargs="+", default=[4, 8], help="worker counts (default 4 8)")
+    p.add_argument("--spares", type=int, default=1, help="spares (0: shrink; default 1: hot-swap)")
+    p.add_argument(
+        "--fault", nargs="+", choices=("sigkill", "sigstop"), default=["sigkill", "sigstop"], help="faults to inject"
+    )
+    p.add_argument("--repeats", type=int, default=3, help="runs per scenario (median reported)")
+    p.add_argument("--numel", type=int, default=1 << 16, help="float32 elements per all_reduce")
+    p.add_argument("--heartbeat-timeout", type=float, default=1.0, help="seconds (default 1)")
+    p.add_argument("--torchft", action="store_true", help="also run torchft's recovery (needs the torchft extra)")
+    p.add_argument("--json", metavar="FILE", help="write the rows as JSON")
+    p.set_defaults(func=_cmd_recovery, cmd_parser=p)

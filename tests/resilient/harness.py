@@ -1,0 +1,234 @@
+"""Run ``resilient_comm.drill`` jobs under an in-process :class:`Launcher` and read what happened.
+
+The test process hosts the coordinator (through the launcher); the workers and
+spares are real OS processes, killed or stopped by pid. :class:`DrillJob` is a
+context manager whose exit kills whatever is left (SIGCONT, then SIGKILL), so
+a failing test never leaves processes behind. Every wait takes a deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, TypeVar
+
+from resilient_comm.launcher import LaunchConfig, Launcher
+
+__all__ = ["DrillJob", "REPO_ROOT", "check_contiguous", "wait_until"]
+
+REPO_ROOT = str(Path(__file__).resolve().parents[2])
+
+T = TypeVar("T")
+
+
+def wait_until(pred: Callable[[], T], timeout: float, what: str, interval: float = 0.005) -> T:
+    """Poll ``pred`` until it returns something truthy; fail the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    out = []
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return out
+    for line in text.splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            break  # a line being written right now
+    return out
+
+
+def check_contiguous(records: list[dict[str, Any]]) -> list[int]:
+    """Check one process's committed steps: +1 each, or resume at ``committed_step + 1`` after a change.
+
+    Returns the committed steps in order.
+    """
+    expected: int | None = None
+    steps = []
+    for rec in records:
+        ev = rec["event"]
+        if ev == "joined":
+            expected = 0
+        elif ev in ("promoted", "reconfigured"):
+            expected = rec["committed_step"] + 1
+        elif ev == "committed":
+            assert expected is not None, f"pid {rec['pid']}: committed before joining"
+            assert rec["step"] == expected, f"pid {rec['pid']}: committed step {rec['step']}, expected {expected}"
+            steps.append(rec["step"])
+            expected += 1
+    return steps
+
+
+class DrillJob:
+    """One drill job: ``nproc`` workers and ``spares`` spares under a launcher hosted here.
+
+    Args:
+        log_dir: Directory of the per-process drill logs.
+        nproc, spares, mode: See :class:`LaunchConfig`.
+        steps, numel, sleep, resource_every: Drill arguments.
+        heartbeat_timeout: Seconds of silence after which a process counts as hung.
+        job_timeout: Seconds after which the launcher kills the job (status 124).
+    """
+
+    def __init__(
+        self,
+        log_dir: Path,
+        *,
+        nproc: int,
+        spares: int = 0,
+        steps: int = 40,
+        numel: int = 1024,
+        sleep: float = 0.03,
+        mode: str = "hotswap",
+        resource_every: int = 0,
+        heartbeat_timeout: float = 1.0,
+        job_timeout: float = 120.0,
+    ) -> None:
+        self.log_dir = Path(log_dir)
+        self.steps = steps
+        cmd = [sys.executable, "-m", "resilient_comm.drill", "--steps", str(steps), "--numel", str(numel)]
+        cmd += ["--sleep", str(sleep), "--log", str(self.log_dir), "--resource-every", str(resource_every)]
+        config = LaunchConfig(
+            nproc=nproc,
+            spares=spares,
+            mode=mode,
+            heartbeat_timeout=timedelta(seconds=heartbeat_timeout),
+            job_timeout=timedelta(seconds=job_timeout),
+            env={"PYTHONPATH": REPO_ROOT},
+        )
+        self.launcher = Launcher(cmd, config)
+        self.coordinator = self.launcher.coordinator
+        self._thread: threading.Thread | None = None
+        self._rc: int | None = None
+        self._error: BaseException | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> DrillJob:
+        self.launcher.start()
+        self._thread = threading.Thread(target=self._wait, name="drill-launcher-wait", daemon=True)
+        self._thread.start()
+        return self
+
+    def _wait(self) -> None:
+        try:
+            self._rc = self.launcher.wait()
+        except BaseException as exc:  # noqa: BLE001 - reported by finish()
+            self._error = exc
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()
+
+    def cleanup(self) -> None:
+        """Resume stopped processes and kill every process still running; stop the coordinator."""
+        for p in self.processes():
+            if p.poll() is None:
+                for sig in (signal.SIGCONT, signal.SIGKILL):
+                    try:
+                        os.kill(p.pid, sig)
+                    except ProcessLookupError:
+                        pass
+        for p in self.processes():
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        if self._thread is not None:
+            self._thread.join(timeout=20)
+        self.coordinator.stop()
+
+    def finish(self, timeout: float) -> int:
+        """Wait (at most ``timeout`` s) for ``Launcher.wait()``; return the job's exit status."""
+        assert self._thread is not None, "job not started"
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise AssertionError(f"the job did not finish within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        assert self._rc is not None
+        return self._rc
+
+    # ------------------------------------------------------------------ processes
+    def processes(self) -> list[subprocess.Popen[bytes]]:
+        """Every process the launcher started (it keeps no public list)."""
+        with self.launcher._lock:
+            return [p for p, _ in self.launcher._procs]
+
+    def exit_codes(self) -> dict[int, int | None]:
+        """pid -> exit status (``None``: still running)."""
+        return {p.pid: p.poll() for p in self.processes()}
+
+    def wait_exit(self, pid: int, timeout: float) -> int:
+        """Wait for process ``pid`` to exit; return its status."""
+        proc = next(p for p in self.processes() if p.pid == pid)
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"pid {pid} did not exit within {timeout} s") from None
+
+    @staticmethod
+    def signal(pid: int, sig: int = signal.SIGKILL) -> float:
+        """Send ``sig`` to ``pid``; return ``time.time()`` just before."""
+        t = time.time()
+        os.kill(pid, sig)
+        return t
+
+    def member_pids(self) -> list[int]:
+        """pids of the current epoch's members, by slot."""
+        view = self.coordinator.view
+        assert view is not None
+        members = self.coordinator.members()
+        return [members[m].pid for m in view.members]
+
+    # ------------------------------------------------------------------ events
+    def events(self, name: str | None = None, **match: Any) -> list[dict[str, Any]]:
+        """Coordinator events (of kind ``name``, with the given field values)."""
+        return [
+            e
+            for e in self.coordinator.log.events
+            if (name is None or e["event"] == name) and all(e.get(k) == v for k, v in match.items())
+        ]
+
+    def drill_log(self, pid: int) -> list[dict[str, Any]]:
+        """The drill records of process ``pid``."""
+        return _read_jsonl(self.log_dir / f"{pid}.jsonl")
+
+    def drill_logs(self) -> dict[int, list[dict[str, Any]]]:
+        """Every process's drill records, by pid."""
+        return {int(p.stem): _read_jsonl(p) for p in sorted(self.log_dir.glob("*.jsonl"))}
+
+    def drill_events(self, pid: int, name: str) -> list[dict[str, Any]]:
+        return [r for r in self.drill_log(pid) if r["event"] == name]
+
+    def last_committed(self, pid: int) -> int:
+        steps = [r["step"] for r in self.drill_events(pid, "committed")]
+        return max(steps, default=-1)
+
+    def wait_progress(self, pid: int, step: int, timeout: float = 60.0) -> None:
+        """Wait until process ``pid`` committed ``step``."""
+        wait_until(lambda: self.last_committed(pid) >= step, timeout, f"pid {pid} to commit step {step}", 0.002)
+
+    def wait_event(self, name: str, timeout: float, **match: Any) -> dict[str, Any]:
+        """Wait for a coordinator event; return the first that matches."""
+        found = wait_until(lambda: self.events(name, **match), timeout, f"event {name} {match}", 0.001)
+        return found[0]
+
+    def wait_epoch(self, timeout: float = 60.0) -> None:
+        """Wait until epoch 0 is configured."""
+        self.wait_event("epoch_configured", timeout, epoch=0)
