@@ -148,13 +148,13 @@ def run_recovery_scenario(
     waiter = threading.Thread(target=lambda: status.append(launcher.wait()), daemon=True)
     waiter.start()
     try:
-        _until(lambda: launcher.coordinator.view is not None, deadline, "the first epoch")
+        _until(lambda: launcher.coordinator.view is not None, deadline, "the first epoch", launcher)
         slot0 = launcher.pid_of_slot(0)
-        _until(lambda: _committed(_read_logs(logdir), slot0) >= config.fault_step, deadline, "the fault step")
+        _until(lambda: _committed(_read_logs(logdir), slot0) >= config.fault_step, deadline, "the fault step", launcher)
         victim = launcher.pid_of_slot(1)
         t_fault = time.time()
         os.kill(victim, _FAULTS[fault])
-        _until(lambda: _new_epoch_configured(launcher), deadline, "the new epoch")
+        _until(lambda: _new_epoch_configured(launcher), deadline, "the new epoch", launcher)
         if fault == "sigstop":
             os.kill(victim, signal.SIGKILL)  # measured; let the job end without the grace period
         waiter.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -176,8 +176,10 @@ def run_recovery_scenario(
     }
 
 
-def _until(cond: Callable[[], bool], deadline: float, what: str) -> None:
+def _until(cond: Callable[[], bool], deadline: float, what: str, launcher: Launcher) -> None:
     while not cond():
+        if launcher.coordinator.failed is not None:
+            raise RuntimeError(f"recovery scenario: the job failed: {launcher.coordinator.failed}")
         if time.monotonic() > deadline:
             raise TimeoutError(f"recovery scenario: timed out waiting for {what}")
         time.sleep(0.01)
