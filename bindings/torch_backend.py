@@ -220,8 +220,9 @@ class TorchCommunicator(BaseCommunicator):
         else:
             if not tdist.is_initialized():
                 raise RuntimeError("TorchCommunicator: torch.distributed is not initialized")
-            pg = group if group is not None else tdist.group.WORLD
-            assert pg is not None
+            world = group if group is not None else tdist.group.WORLD
+            assert world is not None
+            pg = world
             rank, size = tdist.get_rank(pg), tdist.get_world_size(pg)
             self._global_ranks = tdist.get_process_group_ranks(pg)
             self._backend = str(tdist.get_backend(pg)).lower()

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from types import FrameType
+from typing import Any
 
 from resilient_comm.communicator import ENV_ADDRESS, ENV_JOB, ENV_ROLE, ENV_SLOT
 from resilient_comm.coordinator import Coordinator, CoordinatorConfig
@@ -76,7 +77,7 @@ class LaunchConfig:
 
     def coordinator_config(self, job: str | None = None) -> CoordinatorConfig:
         """The coordinator settings of this launch."""
-        kw = {} if job is None else {"job": job}
+        kw: dict[str, Any] = {} if job is None else {"job": job}
         return CoordinatorConfig(
             world_size=self.nproc,
             host=self.host,
@@ -255,12 +256,12 @@ def launch(cmd: Sequence[str], config: LaunchConfig) -> int:
     in_main = threading.current_thread() is threading.main_thread()
     if in_main:
         for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, forward)
+            previous[int(sig)] = signal.signal(sig, forward)
     try:
         launcher.start()
         return launcher.wait()
     finally:
         if in_main:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)  # type: ignore[arg-type]
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)  # type: ignore[arg-type]
         sys.stdout.flush()
