@@ -36,7 +36,7 @@ from bindings.torch_backend import TorchCommunicator, standalone_process_group
 from resilient_comm.membership import StoreMembership
 from resilient_comm.view import View
 
-__all__ = ["FaultAwareCommunicator", "Reconfiguration", "ENV_ADDRESS", "ENV_JOB", "ENV_ROLE", "ENV_SLOT"]
+__all__ = ["FaultAwareCommunicator", "Reconfiguration", "SideChannel", "ENV_ADDRESS", "ENV_JOB", "ENV_ROLE", "ENV_SLOT"]
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +124,9 @@ class FaultAwareCommunicator(BaseCommunicator):
         configure_timeout: Deadline of building one epoch's transport.
         join_timeout: How long an active member waits for its first epoch.
         check_collectives: See :class:`~bindings.communicator.BaseCommunicator`.
+        side_channel: Also build a second transport per epoch (:attr:`side_channel`)
+            for background traffic (snapshot replication) that must not be
+            ordered with the main thread's collectives.
     """
 
     def __init__(
@@ -135,6 +138,7 @@ class FaultAwareCommunicator(BaseCommunicator):
         configure_timeout: timedelta = timedelta(seconds=30),
         join_timeout: timedelta = timedelta(seconds=120),
         check_collectives: bool = False,
+        side_channel: bool = False,
     ) -> None:
         if not isinstance(membership, StoreMembership):
             raise TypeError(f"membership: expected a StoreMembership, got {type(membership).__name__}")
@@ -149,6 +153,8 @@ class FaultAwareCommunicator(BaseCommunicator):
         self._configure_timeout = configure_timeout
         self._join_timeout = join_timeout
         self._inner: TorchCommunicator | None = None
+        self._want_side = bool(side_channel)
+        self._side: SideChannel | None = None
         self._view: View | None = None
         self._failed_epoch = -1  # newest epoch this member saw fail
         self._state_lock = threading.Lock()
@@ -169,6 +175,7 @@ class FaultAwareCommunicator(BaseCommunicator):
         heartbeat_interval: timedelta = timedelta(milliseconds=50),
         configure_timeout: timedelta = timedelta(seconds=30),
         join_timeout: timedelta = timedelta(seconds=120),
+        side_channel: bool = False,
     ) -> FaultAwareCommunicator:
         """Register with the coordinator and (for an active member) join the first epoch.
 
@@ -200,6 +207,7 @@ class FaultAwareCommunicator(BaseCommunicator):
                 timeout=timeout,
                 configure_timeout=configure_timeout,
                 join_timeout=join_timeout,
+                side_channel=side_channel,
             )
         except BaseException:
             membership.leave()
@@ -232,6 +240,15 @@ class FaultAwareCommunicator(BaseCommunicator):
         return self._m
 
     @property
+    def side_channel(self) -> SideChannel | None:
+        """The current epoch's second transport (``side_channel=True``), or ``None``.
+
+        Its operations fail fast exactly like this communicator's when the
+        epoch fails; use it from one background thread.
+        """
+        return self._side
+
+    @property
     def healthy(self) -> bool:
         """Whether the current epoch is usable (no failure seen in it)."""
         return self._view is not None and not self._epoch_failed(self._view.epoch)
@@ -245,9 +262,7 @@ class FaultAwareCommunicator(BaseCommunicator):
         with self._state_lock:
             first = self._failed_epoch < epoch
             self._failed_epoch = max(self._failed_epoch, epoch)
-            inner = self._inner if self._view is not None and self._view.epoch == epoch else None
-        if inner is not None:
-            inner.abort()
+        self._abort_transports(epoch)
         if first:
             logger.info("member %d: epoch %d failed: %s", self._m.index, epoch, reason)
             self._m.report(epoch, reason)
@@ -256,9 +271,16 @@ class FaultAwareCommunicator(BaseCommunicator):
         """Watcher thread: the coordinator aborted ``epoch``."""
         with self._state_lock:
             self._failed_epoch = max(self._failed_epoch, epoch)
-            inner = self._inner if self._view is not None and self._view.epoch == epoch else None
+        self._abort_transports(epoch)
+
+    def _abort_transports(self, epoch: int) -> None:
+        with self._state_lock:
+            current = self._view is not None and self._view.epoch == epoch
+            inner, side = (self._inner, self._side) if current else (None, None)
         if inner is not None:
             inner.abort()
+        if side is not None:
+            side.transport.abort()
 
     def _failure(self, epoch: int, message: str) -> PeerFailureError:
         info = self._m.abort_info(epoch)
@@ -284,29 +306,32 @@ class FaultAwareCommunicator(BaseCommunicator):
             self._m.watch(view.epoch, self._on_abort)
             try:
                 inner = self._build(view, slot)
+                side = SideChannel(self, view.epoch, self._build(view, slot, "side/")) if self._want_side else None
             except CommError as exc:
                 self._failed_epoch = max(self._failed_epoch, view.epoch)
                 self._m.report(view.epoch, f"configure failed: {exc}")
                 after_epoch = view.epoch
                 continue
             with self._state_lock:
-                old = self._inner
-                self._inner, self._view = inner, view
+                old, old_side = self._inner, self._side
+                self._inner, self._side, self._view = inner, side, view
                 self._rank, self._world_size = slot, view.world_size
             if old is not None:
                 old.abort()
+            if old_side is not None:
+                old_side.transport.abort()
             if self._epoch_failed(view.epoch):
-                inner.abort()
+                self._abort_transports(view.epoch)
                 after_epoch = view.epoch
                 continue
             self._m.configured(view.epoch)
             logger.info("member %d: epoch %d, rank %d of %d", self._m.index, view.epoch, slot, view.world_size)
             return view
 
-    def _build(self, view: View, slot: int) -> TorchCommunicator:
+    def _build(self, view: View, slot: int, channel: str = "") -> TorchCommunicator:
         try:
             pg = standalone_process_group(
-                self._m.transport_store(view.epoch),
+                self._m.transport_store(view.epoch, channel),
                 slot,
                 view.world_size,
                 self._backend_name,
@@ -404,8 +429,12 @@ class FaultAwareCommunicator(BaseCommunicator):
             raise self._failure(view.epoch, f"{op}: epoch {view.epoch} has failed")
         return inner, view.epoch
 
-    def _guard(self, op: str, call: Callable[[TorchCommunicator], RawWork]) -> RawWork:
-        inner, epoch = self._current(op)
+    def _guard(
+        self, op: str, call: Callable[[TorchCommunicator], RawWork], on: tuple[TorchCommunicator, int] | None = None
+    ) -> RawWork:
+        inner, epoch = self._current(op) if on is None else on
+        if self._epoch_failed(epoch):
+            raise self._failure(epoch, f"{op}: epoch {epoch} has failed")
         try:
             raw = call(inner)
         except CommError as exc:
@@ -432,7 +461,14 @@ class FaultAwareCommunicator(BaseCommunicator):
         return self._guard("send", lambda c: c._raw_send(buf, dst, tag))
 
     def _raw_recv(self, buf: torch.Tensor, src: int | None, tag: int) -> tuple[RawWork, Callable[[], int]]:
-        inner, epoch = self._current("recv")
+        return self._guard_recv(buf, src, tag, self._current("recv"))
+
+    def _guard_recv(
+        self, buf: torch.Tensor, src: int | None, tag: int, on: tuple[TorchCommunicator, int]
+    ) -> tuple[RawWork, Callable[[], int]]:
+        inner, epoch = on
+        if self._epoch_failed(epoch):
+            raise self._failure(epoch, f"recv: epoch {epoch} has failed")
         try:
             raw, source = inner._raw_recv(buf, src, tag)
         except CommError as exc:
@@ -468,9 +504,64 @@ class FaultAwareCommunicator(BaseCommunicator):
             return
         self._closed = True
         self._m.leave()
-        inner = self._inner
+        inner, side = self._inner, self._side
+        if side is not None:
+            side.transport.close()
         if inner is not None:
             inner.close()
 
     def _raw_close(self) -> None:  # pragma: no cover - close() is overridden
         pass
+
+
+class SideChannel(BaseCommunicator):
+    """A second transport of one epoch, failing fast with it (see :attr:`FaultAwareCommunicator.side_channel`)."""
+
+    def __init__(self, owner: FaultAwareCommunicator, epoch: int, transport: TorchCommunicator) -> None:
+        super().__init__(transport.rank, transport.world_size, timeout=owner.timeout)
+        self._owner = owner
+        self._epoch = epoch
+        self.transport = transport
+
+    @property
+    def backend(self) -> str:
+        """The transport's backend."""
+        return self.transport.backend
+
+    @property
+    def epoch(self) -> int:
+        """The epoch this channel belongs to."""
+        return self._epoch
+
+    def _on(self) -> tuple[TorchCommunicator, int]:
+        return self.transport, self._epoch
+
+    def _raw_all_reduce(self, buf: torch.Tensor, op: ReduceOp) -> RawWork:
+        return self._owner._guard("all_reduce", lambda c: c._raw_all_reduce(buf, op), self._on())
+
+    def _raw_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp) -> RawWork:
+        return self._owner._guard("reduce_scatter", lambda c: c._raw_reduce_scatter(out, inp, op), self._on())
+
+    def _raw_all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> RawWork:
+        return self._owner._guard("all_gather", lambda c: c._raw_all_gather(out, inp), self._on())
+
+    def _raw_broadcast(self, buf: torch.Tensor, src: int) -> RawWork:
+        return self._owner._guard("broadcast", lambda c: c._raw_broadcast(buf, src), self._on())
+
+    def _raw_barrier(self) -> RawWork:
+        return self._owner._guard("barrier", lambda c: c._raw_barrier(), self._on())
+
+    def _raw_send(self, buf: torch.Tensor, dst: int, tag: int) -> RawWork:
+        return self._owner._guard("send", lambda c: c._raw_send(buf, dst, tag), self._on())
+
+    def _raw_recv(self, buf: torch.Tensor, src: int | None, tag: int) -> tuple[RawWork, Callable[[], int]]:
+        return self._owner._guard_recv(buf, src, tag, self._on())
+
+    def _raw_split(self, members: list[int]) -> BaseCommunicator | None:
+        raise NotImplementedError("split: a side channel cannot be split")
+
+    def _raw_abort(self) -> None:
+        self.transport.abort()
+
+    def _raw_close(self) -> None:
+        self.transport.close()

@@ -139,9 +139,9 @@ class StoreMembership:
                 return
 
     # ------------------------------------------------------------------ views
-    def transport_store(self, epoch: int) -> Store:
-        """The store of ``epoch``'s data-plane rendezvous (a fresh prefix per epoch)."""
-        return prefix_store(keys.transport_prefix(epoch), self._store)
+    def transport_store(self, epoch: int, channel: str = "") -> Store:
+        """The store of ``epoch``'s data-plane rendezvous (a fresh prefix per epoch and channel)."""
+        return prefix_store(keys.transport_prefix(epoch) + channel, self._store)
 
     def abort_info(self, epoch: int) -> dict[str, object]:
         """What the coordinator said when it aborted ``epoch`` (empty if it has not)."""
