@@ -220,6 +220,69 @@ class _ShardedOptimizer(Optimizer):
     def _extra_state(self) -> dict[str, Any]:
         return {}
 
+    # ------------------------------------------------------------------ snapshots
+    def snapshot_state(self) -> dict[str, Any]:
+        """This rank's state after the last step, for an in-memory snapshot.
+
+        The tensors are the live ones: encode (copy) the tree before the next
+        step. Unlike :meth:`state_dict` this never waits for the newest mask
+        gather (it is re-made on restore from the restored first moment).
+        """
+        return {
+            "step": self._step,
+            "rank": self._bucket.rank,
+            "world_size": self._bucket.world_size,
+            "numel": self._bucket.numel,
+            "master": self._master,
+            "shard": dict(self._shard),
+            "extra": self._snapshot_extra(),
+        }
+
+    def restore_snapshot(self, snap: dict[str, Any]) -> None:
+        """Load a :meth:`snapshot_state` of this rank's layout.
+
+        Collective: every rank must call this with snapshots of the same step
+        (SCAPE re-makes its in-flight mask). Parameters are not touched: call
+        :meth:`resync_params` afterwards.
+        """
+        b = self._bucket
+        got = (snap.get("rank"), snap.get("world_size"), snap.get("numel"))
+        if got != (b.rank, b.world_size, b.numel):
+            raise ValueError(
+                f"snapshot: saved for (rank, world_size, numel) {got}, this optimizer is "
+                f"{(b.rank, b.world_size, b.numel)}"
+            )
+        if set(snap["shard"]) != set(self._shard):
+            raise ValueError(f"snapshot: state tensors {sorted(snap['shard'])} != {sorted(self._shard)}")
+        for name, dst in [("master", self._master), *((f"shard.{n}", t) for n, t in self._shard.items())]:
+            src = snap["master"] if name == "master" else snap["shard"][name.split(".", 1)[1]]
+            if src.shape != dst.shape or src.dtype != dst.dtype:
+                raise ValueError(
+                    f"snapshot: {name} has shape {tuple(src.shape)} {src.dtype}, expected "
+                    f"{tuple(dst.shape)} {dst.dtype}"
+                )
+            dst.copy_(src)
+        self._step = int(snap["step"])
+        self._restore_extra(snap["extra"])
+
+    @torch.no_grad()
+    def resync_params(self) -> None:
+        """Rebuild every replica's parameters from the owners' master shards (one all_gather).
+
+        Collective: every rank must call this.
+        """
+        self._comm.all_gather(self._flat, self._master)
+        self._bucket.write_params(self._flat)
+
+    def abandon(self) -> None:
+        """Forget collectives in flight on a failed transport (call before dropping the optimizer)."""
+
+    def _snapshot_extra(self) -> dict[str, Any]:
+        return {}
+
+    def _restore_extra(self, extra: dict[str, Any]) -> None:
+        pass
+
     def _load_extra(self, extra: dict[str, Any]) -> None:
         pass
 
@@ -556,6 +619,41 @@ class SCAPE(ShardedAdamS):
         """Finish the mask gathers still in flight (call before tearing the group down)."""
         if self._sched is not None:
             self._sched.close()
+
+    def abandon(self) -> None:
+        """Drop the mask gathers in flight without waiting (their transport failed)."""
+        if self._sched is not None:
+            self._sched.abandon()
+
+    def _snapshot_extra(self) -> dict[str, Any]:
+        # Masks of the next D steps were proposed before the last step: their
+        # gathers had a step to finish. The newest one (step + D) is re-made on
+        # restore from the restored first moment, bit for bit.
+        masks: dict[int, Tensor] = {}
+        if self._sched is not None:
+            for s in range(self._step, self._step + self.mask_delay):
+                m = self._sched.mask_for(s)
+                if m is not None:
+                    masks[s] = m.indices
+        return {"masks": masks, "residual": self._residual}
+
+    def _restore_extra(self, extra: dict[str, Any]) -> None:
+        b = self._bucket
+        if (extra.get("residual") is None) != (self._residual is None):
+            raise ValueError("snapshot: error_feedback setting differs from the saved state")
+        if self._residual is not None:
+            self._residual.copy_(extra["residual"])
+        if self._sched is None:
+            if extra["masks"]:
+                raise ValueError("snapshot: holds masks but this optimizer is dense (density 1)")
+            return
+        self._sched.abandon()
+        for s, idx in sorted(extra["masks"].items()):
+            self._sched.install(
+                int(s), ShardedMask(numel=b.numel, world_size=b.world_size, k=idx.shape[1], indices=idx)
+            )
+        if self._step > 0:
+            self._after(self._step - 1)  # re-make the mask of step (step - 1) + 1 + D
 
     # ------------------------------------------------------------------ state
     def _extra_state(self) -> dict[str, Any]:

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 
@@ -79,34 +80,79 @@ class Reconfiguration:
 
 
 class _GuardedWork:
-    """Raw work of one epoch: waits by polling, gives up when the epoch is aborted."""
+    """Raw work of one epoch: finishes, or gives up as soon as the epoch is aborted.
+
+    Most gloo works report completion through ``is_completed()``, which is
+    polled. gloo's reduce-scatter and point-to-point works complete only inside
+    ``wait()``: for those a helper thread waits in the transport while the
+    caller watches the epoch (the helper ends with the transport's own timeout
+    if the epoch was given up; the work keeps its buffers alive until then).
+    """
+
+    _POLLABLE = ("all_reduce", "all_gather", "broadcast", "barrier")
 
     def __init__(self, comm: FaultAwareCommunicator, op: str, epoch: int, raw: RawWork) -> None:
         self._comm = comm
         self._op = op
         self._epoch = epoch
         self._raw = raw
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._helper: threading.Thread | None = None
+        if op not in self._POLLABLE:  # start waiting now, so is_completed() works before wait()
+            deadline = time.monotonic() + comm.timeout.total_seconds()
+            self._helper = threading.Thread(target=self._wait_in_transport, args=(deadline,), daemon=True)
+            self._helper.start()
+            comm._helpers.append((epoch, self._helper))
 
     def wait(self, timeout_s: float | None) -> None:
-        comm, raw = self._comm, self._raw
+        comm = self._comm
         deadline = time.monotonic() + (comm.timeout.total_seconds() if timeout_s is None else timeout_s)
-        delay = 5e-5
-        while not raw.is_completed():
+        if self._op in self._POLLABLE:
+            self._watch(deadline, self._raw.is_completed)
+            self._finish(lambda: self._raw.wait(max(0.01, deadline - time.monotonic())))
+            return
+        self._watch(deadline, self._done.is_set)
+        self._finish(self._reraise)
+
+    def _wait_in_transport(self, deadline: float) -> None:
+        try:
+            self._raw.wait(max(0.01, deadline - time.monotonic()))
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            self._error = exc
+        finally:
+            self._done.set()
+
+    def _reraise(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _watch(self, deadline: float, done: Callable[[], bool]) -> None:
+        comm, delay = self._comm, 5e-5
+        while not done():
             if comm._epoch_failed(self._epoch):
                 raise comm._failure(self._epoch, f"{self._op}: epoch {self._epoch} was aborted")
             if time.monotonic() > deadline:
                 comm._fail(self._epoch, f"{self._op}: timed out")
                 raise comm._failure(self._epoch, f"{self._op}: no progress before the deadline (hung peer?)")
-            time.sleep(delay)
+            if self._helper is not None:
+                self._done.wait(delay)
+            else:
+                time.sleep(delay)
             delay = min(delay * 2, 0.001)
+
+    def _finish(self, complete: Callable[[], None]) -> None:
+        comm = self._comm
         try:
-            raw.wait(max(0.0, deadline - time.monotonic()))
+            complete()
         except CommError as exc:
             comm._fail(self._epoch, f"{self._op}: {exc}")
             raise comm._failure(self._epoch, f"{self._op}: {exc}") from exc
 
     def is_completed(self) -> bool:
-        return self._raw.is_completed() or self._comm._epoch_failed(self._epoch)
+        if self._comm._epoch_failed(self._epoch):
+            return True
+        return self._done.is_set() if self._op not in self._POLLABLE else self._raw.is_completed()
 
 
 class FaultAwareCommunicator(BaseCommunicator):
@@ -157,6 +203,11 @@ class FaultAwareCommunicator(BaseCommunicator):
         self._side: SideChannel | None = None
         self._view: View | None = None
         self._failed_epoch = -1  # newest epoch this member saw fail
+        # Transports of failed epochs whose works are still waited on by helper
+        # threads: destroying a gloo group with pending work blocks until the
+        # work times out, so they are dropped only once those helpers ended.
+        self._graveyard: list[tuple[int, Any]] = []
+        self._helpers: list[tuple[int, threading.Thread]] = []
         self._state_lock = threading.Lock()
         self._reconfiguring = threading.Lock()
         if membership.role == "active":
@@ -313,6 +364,7 @@ class FaultAwareCommunicator(BaseCommunicator):
                 after_epoch = view.epoch
                 continue
             with self._state_lock:
+                prev_epoch = self._view.epoch if self._view is not None else -1
                 old, old_side = self._inner, self._side
                 self._inner, self._side, self._view = inner, side, view
                 self._rank, self._world_size = slot, view.world_size
@@ -320,6 +372,7 @@ class FaultAwareCommunicator(BaseCommunicator):
                 old.abort()
             if old_side is not None:
                 old_side.transport.abort()
+            self._bury(prev_epoch, old, old_side)
             if self._epoch_failed(view.epoch):
                 self._abort_transports(view.epoch)
                 after_epoch = view.epoch
@@ -327,6 +380,14 @@ class FaultAwareCommunicator(BaseCommunicator):
             self._m.configured(view.epoch)
             logger.info("member %d: epoch %d, rank %d of %d", self._m.index, view.epoch, slot, view.world_size)
             return view
+
+    def _bury(self, epoch: int, *transports: Any) -> None:
+        """Drop ``epoch``'s transports now, or once their pending works ended (see ``_graveyard``)."""
+        self._helpers = [(e, t) for e, t in self._helpers if t.is_alive()]
+        busy = {e for e, _ in self._helpers}
+        self._graveyard = [(e, t) for e, t in self._graveyard if e in busy]
+        if epoch in busy:
+            self._graveyard.extend((epoch, t) for t in transports if t is not None)
 
     def _build(self, view: View, slot: int, channel: str = "") -> TorchCommunicator:
         try:

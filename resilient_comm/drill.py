@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import sys
 import threading
@@ -133,4 +134,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # A transport of a failed epoch may still have a native wait pending until its own
+    # timeout; interpreter teardown would then abort the process. Everything is closed
+    # and flushed by now, so leave without the teardown.
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)

@@ -58,9 +58,9 @@ class Group:
         global_ranks: Global rank of each group rank, in group-rank order.
     """
 
-    def __init__(self, comm: Communicator, global_ranks: Sequence[int]) -> None:
+    def __init__(self, comm: Communicator, global_ranks: Sequence[int] | None) -> None:
         self._comm = comm
-        self._global_ranks = list(global_ranks)
+        self._global_ranks = None if global_ranks is None else list(global_ranks)
 
     @property
     def communicator(self) -> Communicator:
@@ -69,7 +69,9 @@ class Group:
 
     @property
     def global_ranks(self) -> list[int]:
-        """Global rank of each group rank."""
+        """Global rank of each group rank (the identity for a world whose size may change)."""
+        if self._global_ranks is None:
+            return list(range(self._comm.world_size))
         return list(self._global_ranks)
 
     def rank(self) -> int:
@@ -81,7 +83,7 @@ class Group:
         return self._comm.world_size
 
     def __repr__(self) -> str:
-        return f"Group(backend={self._comm.backend!r}, ranks={self._global_ranks})"
+        return f"Group(backend={self._comm.backend!r}, ranks={self.global_ranks})"
 
 
 class _NonMember:
@@ -144,6 +146,7 @@ def init_process_group(
     device_id: torch.device | int | None = None,
     *,
     check_collectives: bool | None = None,
+    communicator: Communicator | None = None,
 ) -> None:
     """Create the default group (torch.distributed's signature).
 
@@ -163,6 +166,10 @@ def init_process_group(
         device_id: Accepted for compatibility; selects ``nccl`` when CUDA.
         check_collectives: Compare collective arguments across ranks before
             each call (default ``$SPARSECOMM_CHECK_COLLECTIVES`` or off).
+        communicator: Adopt this communicator (for example a
+            ``resilient_comm.FaultAwareCommunicator``) as the default group
+            instead of creating one; the other arguments must be left unset.
+            Its rank and world size are read at each call, so they may change.
 
     Raises:
         ProcessGroupStateError: The default group already exists.
@@ -171,6 +178,15 @@ def init_process_group(
     with _state.lock:
         if _state.world is not None:
             raise ProcessGroupStateError("trying to initialize the default process group twice!")
+        if communicator is not None:
+            if backend is not None or init_method is not None or store is not None or world_size != -1 or rank != -1:
+                raise ValueError("communicator: pass it alone, without backend, init_method, store, rank or world_size")
+            if not all(hasattr(communicator, a) for a in ("rank", "world_size", "all_reduce", "abort")):
+                raise TypeError(f"communicator: expected a bindings Communicator, got {type(communicator).__name__}")
+            world = Group(communicator, None)
+            _set_world(world)
+            _state.groups = [world]
+            return
         if backend is None:
             is_cuda = isinstance(device_id, torch.device) and device_id.type == "cuda"
             backend = "nccl" if is_cuda or isinstance(device_id, int) else "gloo"

@@ -208,6 +208,17 @@ class MaskSchedule:
             entry.work.wait()
         self._ready.clear()
 
+    def abandon(self) -> None:
+        """Drop every gather in flight without waiting for it, and every ready mask.
+
+        For a transport that has already been aborted (a failed epoch), where
+        waiting could only fail. The work handles keep their buffers alive, so
+        nothing is written into freed memory (torch transports; an MPI
+        transport must be closed with :meth:`close`).
+        """
+        self._in_flight = {}
+        self._ready.clear()
+
     def __enter__(self) -> MaskSchedule:
         return self
 

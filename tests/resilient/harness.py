@@ -158,7 +158,7 @@ class DrillJob:
         assert self._thread is not None, "job not started"
         self._thread.join(timeout)
         if self._thread.is_alive():
-            raise AssertionError(f"the job did not finish within {timeout} s")
+            raise AssertionError(f"the job did not finish within {timeout} s\n{self.describe()}")
         if self._error is not None:
             raise self._error
         assert self._rc is not None
@@ -222,12 +222,30 @@ class DrillJob:
 
     def wait_progress(self, pid: int, step: int, timeout: float = 60.0) -> None:
         """Wait until process ``pid`` committed ``step``."""
-        wait_until(lambda: self.last_committed(pid) >= step, timeout, f"pid {pid} to commit step {step}", 0.002)
+        try:
+            wait_until(lambda: self.last_committed(pid) >= step, timeout, f"pid {pid} to commit step {step}", 0.002)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{self.describe()}") from None
 
     def wait_event(self, name: str, timeout: float, **match: Any) -> dict[str, Any]:
         """Wait for a coordinator event; return the first that matches."""
-        found = wait_until(lambda: self.events(name, **match), timeout, f"event {name} {match}", 0.001)
+        try:
+            found = wait_until(lambda: self.events(name, **match), timeout, f"event {name} {match}", 0.001)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{self.describe()}") from None
         return found[0]
+
+    def describe(self) -> str:
+        """What happened so far (for failure messages): coordinator events, exit codes, last drill records."""
+        lines = ["coordinator events:"]
+        for e in self.coordinator.log.events:
+            extra = {k: v for k, v in e.items() if k not in ("time", "event", "members") and v is not None}
+            lines.append(f"  {e['time']:.3f} {e['event']} {extra}"[:300])
+        lines.append(f"exit codes: {self.exit_codes()}")
+        for pid, records in self.drill_logs().items():
+            tail = [r for r in records if r["event"] != "committed"][-3:]
+            lines.append(f"pid {pid}: last committed {self.last_committed(pid)}, {tail}"[:600])
+        return "\n".join(lines)
 
     def wait_epoch(self, timeout: float = 60.0) -> None:
         """Wait until epoch 0 is configured."""
