@@ -430,14 +430,18 @@ class ShardedAdamW(_ShardedOptimizer):
 class SCAPE(ShardedAdamS):
     """SCAPE: AdamS with sparse, owner-partitioned, delayed masks (DESIGN §4).
 
+    The defaults (10 dense warm-up steps, ``decay_m``, score |m|·|w|, 10%
+    exploration, no error feedback, no refresh) are the best of the ablation in
+    ``benchmarks/README.md`` at density 0.01.
+
     Args:
         params: Parameters or param-group dicts (one dtype and device in all).
         lr, betas, eps, weight_decay, bias_correction: AdamS hyperparameters.
         density: Fraction of each shard synchronized per sparse step, in (0, 1].
         mask_delay: D >= 0: the mask made after step t is used at step t + 1 + D.
         warmup_steps: Dense steps before sparsity starts.
-        unselected: ``"freeze"`` (unselected w and m bitwise unchanged) or
-            ``"decay_m"`` (unselected m *= beta1, w unchanged).
+        unselected: ``"decay_m"`` (unselected m *= beta1, w unchanged; default)
+            or ``"freeze"`` (unselected w and m bitwise unchanged).
         error_feedback: Keep a local residual e (padded flat, fp32): each sparse
             step sends G + e at the mask and keeps the rest in e; a dense step
             sends G + e entirely and clears e.
@@ -466,13 +470,13 @@ class SCAPE(ShardedAdamS):
         density: float = 0.01,
         mask_delay: int = 1,
         warmup_steps: int = 10,
-        unselected: str = "freeze",
+        unselected: str = "decay_m",
         error_feedback: bool = False,
         refresh_every: int = 0,
         max_grad_norm: float = 0.0,
         bias_correction: bool = True,
-        score: str = "abs_m",
-        explore: float = 0.0,
+        score: str = "abs_m_theta",
+        explore: float = 0.1,
         group: Any = None,
         *,
         wd_min_ndim: int = 2,

@@ -89,11 +89,11 @@ class TrainConfig:
     density: float = 0.01  # SCAPE: fraction of coordinates synchronized per sparse step.
     mask_delay: int = 1  # SCAPE: mask made after step t is used at step t + 1 + mask_delay.
     sparse_warmup_steps: int = 10  # SCAPE: dense steps before sparsity starts.
-    unselected: str = "freeze"  # SCAPE: policy of unselected coordinates (freeze | decay_m).
+    unselected: str = "decay_m"  # SCAPE: policy of unselected coordinates (freeze | decay_m).
     error_feedback: bool = False  # SCAPE: keep the unsent gradient as a local residual.
     refresh_every: int = 0  # SCAPE: every this many steps a dense step (0: never).
-    mask_score: str = "abs_m"  # SCAPE: mask statistic (one of optim.MASK_SCORES).
-    explore: float = 0.0  # SCAPE: fraction of k chosen round-robin instead of by score.
+    mask_score: str = "abs_m_theta"  # SCAPE: mask statistic (one of optim.MASK_SCORES).
+    explore: float = 0.1  # SCAPE: fraction of k chosen round-robin instead of by score.
     batch: int = 16  # Sequences per rank per step.
     context: int = 64  # Tokens per sequence.
     d_model: int = 128  # Model width.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import math
 
 import pytest
 import torch
@@ -110,17 +111,42 @@ def test_density_one_equals_sharded_and_single_process(world_size: int) -> None:
 
 
 # ---------------------------------------------------------------------------- sparse steps
-def _rank_sparse(rank: int, ws: int, delay: int, policy: str, poison: bool) -> dict:
+def _expected_scores(
+    score: str, explore: float, k: int, made_at: int, m: torch.Tensor, w: torch.Tensor
+) -> torch.Tensor:
+    """The mask statistic SCAPE documents, computed independently: |m| or |m|*|w|, plus the exploration window."""
+    scores = m.abs() if score == "abs_m" else m.abs() * w.abs()
+    n = min(len(scores), math.ceil(explore * k))
+    if n:
+        lo = (made_at * n) % len(scores)
+        scores[[(lo + i) % len(scores) for i in range(n)]] = math.inf
+    return scores
+
+
+def _rank_sparse(
+    rank: int, ws: int, delay: int, policy: str, poison: bool, score: str = "abs_m", explore: float = 0.0
+) -> dict:
     from optim.scape import SCAPE
     from sparsecomm.mask import topk_piece
 
     ps = _params()
     beta1 = 0.9
-    opt = SCAPE(ps, lr=0.05, weight_decay=0.1, density=0.2, mask_delay=delay, warmup_steps=2, unselected=policy)
+    opt = SCAPE(
+        ps,
+        lr=0.05,
+        weight_decay=0.1,
+        density=0.2,
+        mask_delay=delay,
+        warmup_steps=2,
+        unselected=policy,
+        score=score,
+        explore=explore,
+    )
     b = opt.bucket
     stats = opt.communicator.stats
     m = opt.shard_state["exp_avg"]
     m_hist: dict[int, torch.Tensor] = {}
+    w_hist: dict[int, torch.Tensor] = {}
     out: dict = {"digests": [], "masks": [], "checks": {}, "sparse_steps": 0}
     checks = out["checks"]
 
@@ -165,12 +191,14 @@ def _rank_sparse(rank: int, ws: int, delay: int, policy: str, poison: bool) -> d
                 check("frozen_m", torch.equal(m[own], m0[own]))
             else:
                 check("decayed_m", torch.equal(m[own], m0[own] * beta1))
-            # T10: the mask of step t is the top-k |m| after step t-1-D
-            src = m_hist[t - 1 - delay]
-            expect = topk_piece(src.abs(), mask.k, shard_size=b.shard_size)
+            # T10: the mask of step t is the top-k score after step t-1-D
+            made = t - 1 - delay
+            src = _expected_scores(score, explore, mask.k, made, m_hist[made], w_hist[made])
+            expect = topk_piece(src, mask.k, shard_size=b.shard_size)
             check("provenance", torch.equal(expect, mask.piece(rank)))
             if delay >= 1 and (t - 1) in m_hist:
-                newer = topk_piece(m_hist[t - 1].abs(), mask.k, shard_size=b.shard_size)
+                newer_scores = _expected_scores(score, explore, mask.k, t - 1, m_hist[t - 1], w_hist[t - 1])
+                newer = topk_piece(newer_scores, mask.k, shard_size=b.shard_size)
                 out.setdefault("newer_differs", []).append(not torch.equal(newer, expect))
             # T17: one value RS, one value AG, at most one mask AG, nothing else
             diff = {
@@ -186,16 +214,25 @@ def _rank_sparse(rank: int, ws: int, delay: int, policy: str, poison: bool) -> d
                 and set(diff) <= {"sparse_reduce_scatter", "sparse_all_gather", "mask_sync"},
             )
         m_hist[t] = m[: b.real].clone()
+        w_hist[t] = opt.master_shard[: b.real].clone()
     opt.close()
     return out
 
 
 @pytest.mark.parametrize(
-    ("world_size", "delay", "policy"),
-    [(1, 1, "freeze"), (2, 1, "freeze"), (3, 0, "decay_m"), (4, 1, "freeze")],
+    ("world_size", "delay", "policy", "score", "explore"),
+    [
+        (1, 1, "freeze", "abs_m", 0.0),
+        (2, 1, "freeze", "abs_m", 0.0),
+        (3, 0, "decay_m", "abs_m", 0.0),
+        (4, 1, "freeze", "abs_m", 0.0),
+        (2, 1, "decay_m", "abs_m_theta", 0.1),  # the defaults
+        (3, 1, "freeze", "abs_m", 0.5),
+    ],
 )
-def test_sparse_step_invariants(world_size: int, delay: int, policy: str) -> None:
-    check_sparse(run_ranks(_rank_sparse, world_size, delay, policy, True, timeout=120, op_timeout=60), delay)
+def test_sparse_step_invariants(world_size: int, delay: int, policy: str, score: str, explore: float) -> None:
+    res = run_ranks(_rank_sparse, world_size, delay, policy, True, score, explore, timeout=120, op_timeout=60)
+    check_sparse(res, delay)
 
 
 def check_sparse(res: list[dict], delay: int) -> None:
