@@ -29,6 +29,7 @@ from bindings.spawn import LocalRunError
 from optim.bench_cli import add_bench_parser
 from optim.cli_options import add_model_options, add_scape_options, model_settings, scape_settings
 from optim.launch_cli import add_launch_parsers
+from optim.resilient_cli import add_resilience_options, run_resilient_cmd, wants_resilience
 from optim.train import OPTIMIZERS, TrainConfig, run_training, wire_bytes_summary
 
 __all__ = [
@@ -232,6 +233,7 @@ def _add_train_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
     add_model_options(p, d)
     p.add_argument("--timeout", type=float, default=d.job_timeout_s, help="deadline of the whole local job, seconds")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_resilience_options(p)
     p.set_defaults(func=_cmd_train, cmd_parser=p)
 
 
@@ -257,6 +259,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         parser.error(str(exc))
     if args.data is not None and not Path(args.data).is_file():
         parser.error(f"--data: file not found: {args.data}")
+    if wants_resilience(args):
+        return run_resilient_cmd(args, config)
     progress = None if args.no_progress else TqdmProgress(config.steps)
     try:
         result = run_training(config, on_step=progress)

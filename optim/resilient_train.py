@@ -161,12 +161,26 @@ class _Worker:
 
     # -------------------------------------------------------------- snapshots
     def _snapshot(self, step: int) -> None:
+        """Snapshot the state after ``step``: collected here, copied and replicated by the replicator thread.
+
+        The copy overlaps the next step's forward and backward; :meth:`_settle`
+        waits for it before the optimizer changes the state again.
+        """
         t0 = time.perf_counter()
         tree = {"optim": self.optimizer.snapshot_state(), "rng": torch.get_rng_state(), "step": step}
-        buf = self.own.put(step, tree)
         if self.replicator is not None:
-            self.replicator.submit(step, buf)
+            self.replicator.submit_tree(step, tree, self.own)
+        else:
+            self.own.put(step, tree)
         self.snapshot_s.append(time.perf_counter() - t0)
+
+    def _settle(self) -> None:
+        """Wait until the last snapshot was copied out (it reads the optimizer's live tensors)."""
+        if self.replicator is not None:
+            t0 = time.perf_counter()
+            if not self.replicator.wait_encoded(self.config.comm_timeout_s):
+                raise RuntimeError("snapshot copy did not finish")
+            self.snapshot_s[-1] += time.perf_counter() - t0
 
     def _start_replicator(self, version: int) -> None:
         """Start replicating on the current epoch, beginning with the held ``version``. Collective."""
@@ -355,6 +369,7 @@ class _Worker:
         loss.backward()
         loss_buf = loss.detach().reshape(1).clone()
         dist.all_reduce(loss_buf, op=dist.ReduceOp.AVG)
+        self._settle()
         opt.step()
         if not comm.commit(step):
             raise PeerFailureError(f"step {step} was not committed everywhere")

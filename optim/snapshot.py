@@ -242,7 +242,9 @@ class SnapshotRing:
 @dataclass
 class _Job:
     version: int
-    data: torch.Tensor
+    data: torch.Tensor | None = None  # encoded bytes, or
+    tree: Any = None  # a tree to encode into ``ring`` first (off the caller's critical path)
+    ring: SnapshotRing | None = None
 
 
 class Replicator:
@@ -273,6 +275,8 @@ class Replicator:
         self._ack_out = torch.zeros(1, dtype=torch.int64)
         self._ack_in = torch.zeros(1, dtype=torch.int64)
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
+        self._encoded = threading.Event()
+        self._encoded.set()
         self._lock = threading.Lock()
         self._replicated = -1
         self._failed: str | None = None
@@ -297,6 +301,19 @@ class Replicator:
         if data.numel() > self.capacity:
             raise ValueError(f"snapshot of {data.numel()} bytes exceeds the replication capacity {self.capacity}")
         self._jobs.put(_Job(version, data))
+
+    def submit_tree(self, version: int, tree: Any, ring: SnapshotRing) -> None:
+        """Queue ``tree``: the thread encodes it into ``ring`` as ``version``, then replicates it.
+
+        The tree's tensors are read by the thread: the caller must not change
+        them before :meth:`wait_encoded` returns.
+        """
+        self._encoded.clear()
+        self._jobs.put(_Job(version, tree=tree, ring=ring))
+
+    def wait_encoded(self, timeout: float) -> bool:
+        """Wait until the last tree passed to :meth:`submit_tree` has been copied out."""
+        return self._encoded.wait(timeout)
 
     def drain(self, timeout: float) -> bool:
         """Wait until every submitted version was replicated (or replication failed)."""
@@ -323,10 +340,21 @@ class Replicator:
             try:
                 if job is None:
                     return
+                t0 = time.perf_counter()
+                if job.tree is not None:
+                    assert job.ring is not None
+                    try:
+                        job.data = job.ring.put(job.version, job.tree)
+                    finally:
+                        job.tree = None
+                        self._encoded.set()
                 if self._failed is not None:
                     continue
-                t0 = time.perf_counter()
+                assert job.data is not None
                 n = job.data.numel()
+                if n > self.capacity:
+                    self._failed = f"version {job.version}: {n} bytes exceed the capacity {self.capacity}"
+                    continue
                 self._send[:n].copy_(job.data)
                 recv = self._recv
                 try:
