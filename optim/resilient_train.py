@@ -77,6 +77,12 @@ class ResilienceConfig:
             failure restarts the run from step 0, which is still exact).
         recovery: ``hotswap`` (spares fill dead slots; shrink once none is left) or ``shrink``.
         heartbeat_timeout_s: Silence after which a worker counts as hung.
+        snapshot_block: Benchmarks only (``sparsecomm bench checkpoint``): when > 0,
+            snapshots alternate in blocks of this many steps with a snapshot,
+            then as many without, starting with snapshots at step 1; every
+            ``committed`` event says whether its step took one. A failure
+            restores the newest snapshot every slot holds, which may be older.
+            0 (default): a snapshot after every step.
     """
 
     spares: int = 1
@@ -84,6 +90,7 @@ class ResilienceConfig:
     snapshot: bool = True
     recovery: str = "hotswap"
     heartbeat_timeout_s: float = 2.0
+    snapshot_block: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.spares, bool) or not isinstance(self.spares, int) or self.spares < 0:
@@ -92,6 +99,9 @@ class ResilienceConfig:
             raise ValueError(f"recovery: must be one of {RECOVERY_MODES}, got {self.recovery!r}")
         if not self.heartbeat_timeout_s > 0:
             raise ValueError(f"heartbeat_timeout_s: must be > 0, got {self.heartbeat_timeout_s!r}")
+        block = self.snapshot_block
+        if isinstance(block, bool) or not isinstance(block, int) or block < 0:
+            raise ValueError(f"snapshot_block: must be an int >= 0, got {block!r}")
         for kill in self.kills:
             if len(kill) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in kill):
                 raise ValueError(f"kills: expected (slot, step) int pairs, got {kill!r}")
@@ -174,6 +184,11 @@ class _Worker:
             self.own.put(step, tree)
         self.snapshot_s.append(time.perf_counter() - t0)
 
+    def _snapshots_at(self, step: int) -> bool:
+        """Whether the state after ``step`` is snapshotted (always, unless ``snapshot_block`` alternates)."""
+        block = self.res.snapshot_block
+        return block == 0 or ((step - 1) // block) % 2 == 0
+
     def _settle(self) -> None:
         """Wait until the last snapshot was copied out (it reads the optimizer's live tensors)."""
         if self.replicator is not None:
@@ -255,11 +270,17 @@ class _Worker:
             lost = [s for s, v in have.items() if not v]
             raise UnrecoverableStateError(f"no common snapshot step: slots {lost} have no copy left")
         phases["agree_s"] = time.time() - t0
-        tree: dict[str, Any] | None = None
-        if restore_step >= 0:
-            tree = self._fetch(restore_step, old_slot, table, holder, change)
-        phases["transfer_s"] = time.time() - t0
-        self._restore(tree)
+        shrunk = change is not None and len(change.lost_slots) > len(change.promoted)
+        if shrunk and restore_step >= 0:
+            full, rng = self._gather_full_state(restore_step, old_slot, holder, old_world)
+            phases["transfer_s"] = time.time() - t0
+            self._restore_resharded(restore_step, full, rng)
+        else:
+            tree: dict[str, Any] | None = None
+            if restore_step >= 0:
+                tree = self._fetch(restore_step, old_slot, table, holder, change)
+            phases["transfer_s"] = time.time() - t0
+            self._restore(tree)
         phases["restore_s"] = time.time() - t0
         self.own.clear()
         self.ward.clear()
@@ -289,7 +310,7 @@ class _Worker:
         }
         self.recoveries.append(rec)
         self.log("restored", **rec)
-        return restore_step + 1
+        return max(restore_step, 0) + 1  # no snapshot (-1): start again at step 1, as the first epoch did
 
     def _fetch(
         self, step: int, old_slot: int, table: list[list[int]], holder: dict[int, int], change: Reconfiguration | None
@@ -297,8 +318,6 @@ class _Worker:
         """This rank's snapshot of ``step``: from its own ring, or sent by the buddy of a lost slot."""
         comm = self.comm
         world = comm.world_size
-        if change is not None and change.mode == "shrink" and change.lost_slots:
-            raise UnrecoverableStateError("shrink re-sharding of a lost slot is not supported by this worker")
         sizes = torch.zeros(1, dtype=torch.int64)
         received: dict[str, Any] | None = None
         for lost, h in sorted(holder.items()):
@@ -320,6 +339,82 @@ class _Worker:
         if buf is None or old_slot < 0:
             raise UnrecoverableStateError(f"rank {comm.rank} of {world}: no snapshot of step {step}")
         return decode_tree(buf)
+
+    def _gather_full_state(
+        self, step: int, old_slot: int, holder: dict[int, int], old_world: int
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+        """Every member gets the whole flat optimizer state of ``step`` (shrink). Collective.
+
+        Each old slot's shard comes from exactly one member: the slot's survivor
+        (its own snapshot) or, for a lost slot, the buddy that holds its copy.
+        Members place what they hold into zeroed full-size vectors and one SUM
+        all-reduce assembles them (adding zeros is exact).
+        """
+        comm = self.comm
+        mine: list[tuple[int, dict[str, Any]]] = []
+        if old_slot >= 0:
+            buf = self.own.get(step)
+            if buf is None:
+                raise UnrecoverableStateError(f"no own snapshot of step {step}")
+            mine.append((old_slot, decode_tree(buf)))
+        for lost, h in holder.items():
+            if h == comm.rank:
+                buf = self.ward.get(step)
+                if buf is None:
+                    raise UnrecoverableStateError(f"no copy of lost slot {lost} at step {step}")
+                mine.append((lost, decode_tree(buf)))
+        names = ["master", *sorted(self.optimizer.shard_state)]
+        meta = torch.zeros(2, dtype=torch.int64)  # (shard size of the old layout, numel)
+        if mine:
+            snap = mine[0][1]["optim"]
+            meta[0], meta[1] = snap["master"].numel(), int(snap["numel"])
+        dist.all_reduce(meta, op=dist.ReduceOp.MAX)
+        shard, numel = int(meta[0]), int(meta[1])
+        flat = torch.zeros(len(names), shard * old_world, dtype=torch.float32)
+        for slot, tree in mine:
+            snap = tree["optim"]
+            for i, name in enumerate(names):
+                src = snap["master"] if name == "master" else snap["shard"][name]
+                flat[i, slot * shard : (slot + 1) * shard] = src
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        rng = mine[0][1]["rng"] if mine and old_slot >= 0 else None
+        return {name: flat[i, :numel] for i, name in enumerate(names)}, rng
+
+    def _restore_resharded(self, step: int, full: dict[str, torch.Tensor], rng: torch.Tensor | None) -> None:
+        """Rebuild the optimizer over the smaller world and load its new shard of ``full``. Collective.
+
+        Masks in flight belonged to the old layout: SCAPE makes the masks of the
+        next steps again from the restored state, in the new layout (the next
+        step stays sparse: a dense step on SCAPE's state would apply its stale
+        first moments everywhere at once). An error-feedback residual is per
+        rank and starts again from zero.
+        """
+        self._build_optimizer()
+        b = self.optimizer.bucket
+        lo, hi = b.shard_lo, b.shard_lo + b.shard_size
+
+        def piece(v: torch.Tensor) -> torch.Tensor:
+            out = torch.zeros(b.shard_size, dtype=torch.float32)
+            real = v[lo:hi]
+            out[: real.numel()] = real
+            return out
+
+        residual = getattr(self.optimizer, "residual", None)
+        tree = {
+            "step": step,
+            "rank": b.rank,
+            "world_size": b.world_size,
+            "numel": b.numel,
+            "master": piece(full["master"]),
+            "shard": {name: piece(full[name]) for name in self.optimizer.shard_state},
+            "extra": {"masks": {}, "residual": None if residual is None else torch.zeros_like(residual)}
+            if hasattr(self.optimizer, "density")
+            else {},
+        }
+        self.optimizer.restore_snapshot(tree)
+        self.optimizer.resync_params()
+        if rng is not None:
+            torch.set_rng_state(rng)
 
     # -------------------------------------------------------------- loop
     def run(self) -> int:
@@ -376,11 +471,15 @@ class _Worker:
         train_loss = float(loss_buf.item())
         if not math.isfinite(train_loss):
             raise RuntimeError(f"step {step}: training loss is {train_loss}")
-        self._snapshot(step)
+        snap = self._snapshots_at(step)
+        if snap:
+            self._snapshot(step)
         self.losses[step] = train_loss
         if step == cfg.steps or (cfg.eval_interval and step % cfg.eval_interval == 0):
             self.evals[step] = _evaluate(model, self.corpus, cfg, comm.rank)
-        self.log("committed", step=step, epoch=comm.epoch, loss=train_loss, step_s=time.perf_counter() - t0)
+        self.log(
+            "committed", step=step, epoch=comm.epoch, loss=train_loss, step_s=time.perf_counter() - t0, snapshot=snap
+        )
         return step + 1
 
     def _finish(self) -> None:
@@ -402,7 +501,8 @@ class _Worker:
         }
         (self.out / f"result-{comm.rank}.json").write_text(json.dumps(result) + "\n")
         self._stop_replicator()
-        self.optimizer.close()
+        if hasattr(self.optimizer, "close"):  # SCAPE: finish its mask gathers; ShardedAdamS has none
+            self.optimizer.close()
         comm.close()
 
 
@@ -495,7 +595,9 @@ def _inject(launcher: Launcher, kills: tuple[tuple[int, int], ...], waiter: thre
     pending = sorted(kills, key=lambda k: k[1])
     if not pending:
         return done
-    while launcher.coordinator.view is None and waiter.is_alive():
+    # wait until the first epoch is configured: a kill before that (step 1) would hit the workers
+    # while they build their first transport, not while step 1 runs
+    while waiter.is_alive() and not any(e["event"] == "epoch_configured" for e in launcher.coordinator.log.events):
         time.sleep(0.01)
     if not waiter.is_alive():
         return done

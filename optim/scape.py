@@ -656,8 +656,13 @@ class SCAPE(ShardedAdamS):
             self._sched.install(
                 int(s), ShardedMask(numel=b.numel, world_size=b.world_size, k=idx.shape[1], indices=idx)
             )
-        if self._step > 0:
-            self._after(self._step - 1)  # re-make the mask of step (step - 1) + 1 + D
+        # Re-make every mask of steps step .. step + D the snapshot does not hold (the newest one,
+        # step + D; all of them after a re-shard) from the restored state, exactly as it was made.
+        held = {int(s) for s in extra["masks"]}
+        for target in range(self._step, self._step + self.mask_delay + 1):
+            if target not in held and self.is_sparse_step(target):
+                made = target - 1 - self.mask_delay
+                self._sched.propose(made, self._scores(made))
 
     # ------------------------------------------------------------------ state
     def _extra_state(self) -> dict[str, Any]:
