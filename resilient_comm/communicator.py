@@ -390,16 +390,36 @@ class FaultAwareCommunicator(BaseCommunicator):
             self._graveyard.extend((epoch, t) for t in transports if t is not None)
 
     def _build(self, view: View, slot: int, channel: str = "") -> TorchCommunicator:
-        try:
-            pg = standalone_process_group(
-                self._m.transport_store(view.epoch, channel),
-                slot,
-                view.world_size,
-                self._backend_name,
-                self._configure_timeout,
-            )
-        except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError/DistError on a failed rendezvous
-            raise PeerFailureError(f"building the transport of epoch {view.epoch}: {exc}") from exc
+        """Build ``view``'s transport; give up at once if the epoch is aborted meanwhile.
+
+        The rendezvous runs in a helper thread: a member that died after the
+        view was published never joins it, and the coordinator aborts the epoch
+        long before the rendezvous would time out. The abandoned helper ends
+        with that timeout.
+        """
+        box: dict[str, Any] = {}
+
+        def rendezvous() -> None:
+            try:
+                box["pg"] = standalone_process_group(
+                    self._m.transport_store(view.epoch, channel),
+                    slot,
+                    view.world_size,
+                    self._backend_name,
+                    self._configure_timeout,
+                )
+            except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError/DistError on a failed rendezvous
+                box["error"] = exc
+
+        helper = threading.Thread(target=rendezvous, name=f"sparsecomm-rendezvous-{view.epoch}", daemon=True)
+        helper.start()
+        while helper.is_alive():
+            helper.join(0.005)
+            if helper.is_alive() and self._epoch_failed(view.epoch):
+                raise PeerFailureError(f"epoch {view.epoch} was aborted while its transport was being built")
+        if "error" in box:
+            raise PeerFailureError(f"building the transport of epoch {view.epoch}: {box['error']}") from box["error"]
+        pg = box["pg"]
         return TorchCommunicator(pg, timeout=self.timeout, check_collectives=False, standalone=True)
 
     def reconfigure(self, timeout: timedelta | None = None) -> Reconfiguration:

@@ -85,6 +85,7 @@ class StoreMembership:
         self.role = role
         self.job = job
         self._interval = heartbeat_interval.total_seconds()
+        self._address, self._timeout = (host, port), timeout
         self._store = _connect(host, port, timeout)
         have = self._store.get(keys.JOB).decode()
         if have != job:
@@ -140,8 +141,12 @@ class StoreMembership:
 
     # ------------------------------------------------------------------ views
     def transport_store(self, epoch: int, channel: str = "") -> Store:
-        """The store of ``epoch``'s data-plane rendezvous (a fresh prefix per epoch and channel)."""
-        return prefix_store(keys.transport_prefix(epoch) + channel, self._store)
+        """The store of ``epoch``'s data-plane rendezvous (a fresh prefix per epoch and channel).
+
+        On its own connection: a rendezvous that waits for a member that died
+        must not queue this process's reports and votes behind it.
+        """
+        return prefix_store(keys.transport_prefix(epoch) + channel, _connect(*self._address, self._timeout))
 
     def abort_info(self, epoch: int) -> dict[str, object]:
         """What the coordinator said when it aborted ``epoch`` (empty if it has not)."""
