@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from bindings.spawn import LocalRunError
+from optim.bench_checkpoint_cli import add_checkpoint_parser
 from optim.bench_optimizer import OptimizerBenchConfig, run_optimizer_bench
 from optim.bench_recovery_cli import add_recovery_parser
 from optim.cli_options import add_model_options, add_scape_options, model_settings, scape_settings
@@ -447,3 +448,4 @@ def add_bench_parser(subparsers: Any) -> None:
     _add_convergence_parser(inner)
     _add_optimizer_parser(inner)
     add_recovery_parser(inner)
+    add_checkpoint_parser(inner)

@@ -58,6 +58,7 @@ from resilient_comm import FaultAwareCommunicator, Reconfiguration
 from resilient_comm.keys import COMMITTED
 from resilient_comm.launcher import LaunchConfig, Launcher
 from resilient_comm.membership import parse_address
+from sparsecomm.mask import k_for
 
 __all__ = ["ResilienceConfig", "run_resilient_training", "worker_main", "RECOVERY_MODES"]
 
@@ -160,6 +161,7 @@ class _Worker:
         torch.manual_seed(config.seed)
         self.model = GPT(config.model_config())
         self.init_state = {k: v.clone() for k, v in self.model.state_dict().items()}
+        self.init_rng = torch.get_rng_state()
         self.optimizer: Any = None
         self.own = SnapshotRing()
         self.ward = SnapshotRing()
@@ -207,11 +209,26 @@ class _Worker:
             dtype=torch.int64,
         )
         dist.all_reduce(cap, op=dist.ReduceOp.MAX)
-        self.capacity = int(cap) + (64 << 10)  # headroom: headers grow a little with the step number
+        self.capacity = int(cap) + self._snapshot_headroom()
         self.replicator = Replicator(side, self.capacity, self.ward, timedelta(seconds=self.config.comm_timeout_s))
         buf = self.own.get(version)
         assert buf is not None
         self.replicator.submit(version, buf)
+
+    def _snapshot_headroom(self) -> int:
+        """Bytes a later snapshot may add to the largest one held now (the replication capacity's slack).
+
+        Headers grow a little with the step number; SCAPE's snapshots hold no
+        masks during its dense warm-up and ``mask_delay`` masks of
+        ``world_size x k`` int64 indices once it is sparse. Without this slack
+        such a snapshot would exceed the capacity and replication would stop.
+        """
+        headroom = 64 << 10
+        density = getattr(self.optimizer, "density", 1.0)
+        if density < 1.0:
+            b = self.optimizer.bucket
+            headroom += self.optimizer.mask_delay * b.world_size * k_for(b.numel, b.world_size, density) * 8
+        return headroom
 
     def _stop_replicator(self) -> None:
         if self.replicator is not None:
@@ -228,8 +245,8 @@ class _Worker:
         """Rebuild the optimizer and load ``tree`` (``None``: the initial state). Collective."""
         if tree is None:
             self.model.load_state_dict(self.init_state)
+            torch.set_rng_state(self.init_rng)  # as after the model's initialisation in the first epoch
             self._build_optimizer()
-            torch.manual_seed(self.config.seed)
             return
         self._build_optimizer()
         self.optimizer.restore_snapshot(tree["optim"])
@@ -258,12 +275,20 @@ class _Worker:
         table = rows.view(comm.world_size, len(row)).tolist()
         have: dict[int, set[int]] = {s: set() for s in range(old_world)}
         holder: dict[int, int] = {}
+        # a slot's state is on its holder, unless the holder has none (a spare promoted by an epoch whose
+        # recovery failed before it restored): then, as for a lost slot, the buddy's copy counts
+        stateful = {r[0] for r in table if r[0] >= 0 and (r[2] >= 0 or r[3] >= 0)}
         for new_rank, (slot, ward_slot, o1, o2, w1, w2) in enumerate(table):
             if slot >= 0:
                 have[slot] |= {v for v in (o1, o2) if v >= 0}
-            if ward_slot >= 0 and ward_slot not in {r[0] for r in table}:
+            if ward_slot >= 0 and ward_slot not in stateful:
                 have[ward_slot] |= {v for v in (w1, w2) if v >= 0}
                 holder[ward_slot] = new_rank
+        if any(0 in (r[2], r[3]) for r in table) or not any(have.values()):
+            # at most one step in (or not even the first snapshot taken): the initial state, version 0,
+            # is rebuilt from the seed on every slot, also on one whose first snapshot never reached its buddy
+            for versions in have.values():
+                versions.add(0)
         common = set.intersection(*have.values()) if have else set()
         restore_step = max(common) if common and self.res.snapshot else -1
         if restore_step < 0 and self.res.snapshot and any(have.values()):
@@ -271,13 +296,13 @@ class _Worker:
             raise UnrecoverableStateError(f"no common snapshot step: slots {lost} have no copy left")
         phases["agree_s"] = time.time() - t0
         shrunk = change is not None and len(change.lost_slots) > len(change.promoted)
-        if shrunk and restore_step >= 0:
+        if shrunk and restore_step > 0:
             full, rng = self._gather_full_state(restore_step, old_slot, holder, old_world)
             phases["transfer_s"] = time.time() - t0
             self._restore_resharded(restore_step, full, rng)
         else:
             tree: dict[str, Any] | None = None
-            if restore_step >= 0:
+            if restore_step > 0:  # 0: the initial state, rebuilt from the seed (no snapshot needed)
                 tree = self._fetch(restore_step, old_slot, table, holder, change)
             phases["transfer_s"] = time.time() - t0
             self._restore(tree)
@@ -428,10 +453,14 @@ class _Worker:
             step = self._recover_until_ok(change)
         else:
             self.log("joined", epoch=comm.epoch, rank=comm.rank, world_size=comm.world_size)
-            self._build_optimizer()
-            self._snapshot(0)
-            self._start_replicator(0)
-            step = 1
+            try:
+                self._build_optimizer()
+                self._snapshot(0)
+                self._start_replicator(0)
+                step = 1
+            except PeerFailureError as exc:  # a member died before step 1: recover like at any step
+                self.log("failed", step=0, epoch=comm.epoch, error=str(exc)[:200])
+                step = self._recover_until_ok(comm.reconfigure())
         while step <= cfg.steps:
             try:
                 step = self._step(step)
@@ -528,8 +557,8 @@ def run_resilient_training(config: TrainConfig, res: ResilienceConfig, out: str 
     """Run the job with failures injected from outside; return what the workers and the coordinator saw.
 
     Returns:
-        ``status`` (the job's exit status), ``losses`` / ``evals`` (per step,
-        from slot 0 of the final epoch), ``params_digest`` (every final member
+        ``status`` (the job's exit status), ``losses`` (per step, from its
+        last commit), ``evals`` (per step, from the final members), ``params_digest`` (every final member
         must agree), ``results`` (per final rank), ``events`` (coordinator and
         worker events, ``time`` in unix seconds), ``kills`` (slot, step, pid,
         time), ``wall_time_s``.
@@ -576,10 +605,21 @@ def run_resilient_training(config: TrainConfig, res: ResilienceConfig, out: str 
                 continue
     events.sort(key=lambda e: e["time"])
     first = results.get(0, {})
+    # A final rank that was promoted from a spare only knows the steps since its restore: take each
+    # step's loss from its last commit (a recomputed step's commit supersedes the earlier one), and
+    # each evaluation from the final ranks that ran it (slot 0 first).
+    losses: dict[int, float] = {}
+    for e in events:
+        if e["source"] == "worker" and e["event"] == "committed":
+            losses[int(e["step"])] = e["loss"]
+    losses.update({int(k): v for k, v in first.get("losses", {}).items()})
+    evals: dict[int, float] = {}
+    for r in sorted(results.values(), key=lambda r: -int(r["rank"])):
+        evals.update({int(k): v for k, v in r.get("evals", {}).items()})
     return {
         "status": status[0] if status else 1,
-        "losses": {int(k): v for k, v in first.get("losses", {}).items()},
-        "evals": {int(k): v for k, v in first.get("evals", {}).items()},
+        "losses": dict(sorted(losses.items())) if results else {},
+        "evals": dict(sorted(evals.items())),
         "params_digest": first.get("params_digest"),
         "digests_agree": len({r["params_digest"] for r in results.values()}) == 1 if results else False,
         "results": results,
@@ -604,7 +644,11 @@ def _inject(launcher: Launcher, kills: tuple[tuple[int, int], ...], waiter: thre
     host, port = parse_address(launcher.coordinator.address)
     store = open_store(host, port, server=False, timeout=timedelta(seconds=30))
     while pending and waiter.is_alive():
-        committed = int(store.get(COMMITTED)) if store.check([COMMITTED]) else 0
+        try:
+            committed = int(store.get(COMMITTED)) if store.check([COMMITTED]) else 0
+        except RuntimeError:  # the job ended (its store went away) while kills were pending
+            time.sleep(0.01)
+            continue
         slot, step = pending[0]
         if committed >= step - 1:
             pid = launcher.pid_of_slot(slot)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import queue
 import threading
 from dataclasses import dataclass
@@ -152,14 +153,14 @@ def decode_tree(buf: torch.Tensor) -> Any:
 
 
 def _tensor_from(meta: Any, raw: np.ndarray, base: int) -> torch.Tensor:
-    if not isinstance(meta, dict) or meta.get("dtype") not in _DTYPES:
+    if not isinstance(meta, dict) or not isinstance(meta.get("dtype"), str) or meta["dtype"] not in _DTYPES:
         raise ValueError("snapshot: bad tensor dtype")
     shape = meta.get("shape")
     if not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
         raise ValueError("snapshot: bad tensor shape")
     offset, nbytes = _nat(meta.get("offset")), _nat(meta.get("nbytes"))
     dtype = _DTYPES[meta["dtype"]]
-    numel = int(np.prod(shape)) if shape else 1
+    numel = math.prod(shape)  # Python ints: no overflow on absurd shapes
     if numel * torch.empty(0, dtype=dtype).element_size() != nbytes or base + offset + nbytes > raw.size:
         raise ValueError("snapshot: tensor bytes do not match its shape or the buffer")
     data = torch.from_numpy(raw[base + offset : base + offset + nbytes].copy())

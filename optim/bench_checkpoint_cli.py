@@ -1,0 +1,203 @@
+"""``sparsecomm bench checkpoint``: the checkpoint (in-memory snapshot) benchmark's options, table and JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bindings.spawn import LocalRunError
+from optim.bench_checkpoint import RECOVERY_PHASES, CheckpointBenchConfig, run_checkpoint_bench
+
+__all__ = ["add_checkpoint_parser", "format_checkpoint_table"]
+
+_RECOVERY_LABELS = {
+    "detect_s": "detect",
+    "reconfigure_s": "reconfig",
+    "agree_s": "agree",
+    "transfer_s": "transfer",
+    "restore_s": "restore",
+    "resnapshot_s": "resnap",
+    "resume_s": "resume",
+    "total_s": "total",
+}
+
+
+def _f(v: float | None, fmt: str) -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def format_checkpoint_table(bench: dict[str, Any]) -> str:
+    """Three parts: snapshot overhead and bytes per run, the recovery split per run, the loopback transfer."""
+    c = bench["config"]
+    lines = [
+        f"# in-memory snapshots: {c['nproc']} ranks (gloo, local, {bench.get('cpu_count')} CPU cores, shared: "
+        f"timings are noisy); batch {c['batch']} x context {c['context']}; SCAPE density {c['density']:g}",
+        f"# step_ms: median over steps (max over ranks) of snapshot blocks (on) / blocks without (off) of "
+        f"{c['block']} steps, first step of each block and steps <= {c['skip_steps']} left out; "
+        "overhead = (on - off) / off; paired = median over (on block, next off block) pairs of on/off - 1",
+        "# snap_ms: snapshot time on the critical path (collect + submit + wait for the copy), median, max over "
+        "ranks; rings: host bytes of own + ward snapshot rings per rank; repl: replicated bytes per second of "
+        "replicator busy time",
+        f"{'optimizer':>11} {'model':>7} {'params':>9} {'n_on':>4} {'n_off':>5} {'step_ms_off':>11} "
+        f"{'step_ms_on':>10} {'overhead':>8} {'paired':>7} {'snap_ms':>7} {'own_MB':>7} {'ward_MB':>7} {'rings_MB':>8} "
+        f"{'repl_MB/s':>9}",
+    ]
+    for r in bench["rows"]:
+        ov = r["overhead_fraction"]
+        gbps = r["replication_GBps"]
+        pv = r.get("overhead_paired_median")
+        lines.append(
+            f"{r['name']:>11} {r['model']:>7} {r['num_parameters']:>9} {r['steps_on']:>4} {r['steps_off']:>5} "
+            f"{_f(r['step_ms_off'], '.1f'):>11} {_f(r['step_ms_on'], '.1f'):>10} "
+            f"{'-' if ov is None else f'{100 * ov:+.1f}%':>8} {'-' if pv is None else f'{100 * pv:+.1f}%':>7} "
+            f"{r['snapshot_ms_median']:>7.2f} "
+            f"{r['own_ring_bytes'] / 1e6:>7.2f} {r['ward_ring_bytes'] / 1e6:>7.2f} "
+            f"{r['ring_bytes_per_rank'] / 1e6:>8.2f} {'-' if gbps is None else f'{gbps * 1e3:.0f}':>9}"
+        )
+    lines.append(
+        f"# recovery: SIGKILL of slot 1 while step {c['kill_step']} runs, a spare takes its place (hot-swap), "
+        f"heartbeat timeout {c['heartbeat_timeout_s']} s; seconds; one run each; reconfig = detected to new epoch "
+        "configured; agree/transfer/restore/resnap = the members' restore phases (max over members); resume = "
+        "last restored to every member's first commit; gap = total minus the listed phases"
+    )
+    cols = ["optimizer", "model", *(_RECOVERY_LABELS[p] for p in RECOVERY_PHASES), "gap", "restored", "recomp"]
+    lines.append(" ".join(f"{h:>9}" for h in cols))
+    for r in bench["rows"]:
+        rec = r["recovery"]
+        cells = [r["name"], r["model"], *(_f(rec.get(p), ".3f") for p in RECOVERY_PHASES), _f(rec.get("gap_s"), ".3f")]
+        cells += [str(rec.get("restore_step", "-")), str(rec.get("steps_recomputed", "-"))]
+        lines.append(" ".join(f"{x:>9}" for x in cells))
+        if not rec.get("ok"):
+            lines.append(f"{'':>9} FAILED (job status {rec.get('status')}): {'; '.join(rec.get('errors') or ['?'])}")
+    lb = bench.get("loopback") or {}
+    if lb:
+        target = bench["target_GBps"]
+        verdict = "ok" if min(lb["one_way_GBps"], lb["exchange_GBps"]) >= target else "MISS"
+        lines.append(
+            f"# loopback: {lb['nbytes'] / (1 << 20):.0f} MiB snapshot between 2 local ranks over the side channel "
+            f"(FaultAwareCommunicator side_channel=True, gloo TCP), median of {lb['iters']}"
+        )
+        lines.append(
+            f"one-way send {lb['one_way_GBps']:.2f} GB/s ({lb['one_way_s_median'] * 1e3:.0f} ms); replicator "
+            f"exchange (both directions at once + copies) {lb['exchange_GBps']:.2f} GB/s per direction "
+            f"({lb['exchange_s_median'] * 1e3:.0f} ms, contents {'ok' if lb['exchange_correct'] else 'WRONG'}); "
+            f"target >= {target:g} GB/s: {verdict}"
+        )
+    return "\n".join(lines)
+
+
+def _models(text: str) -> tuple[tuple[int, int, int], ...]:
+    """Parse ``128x2:60,384x4:24`` (d_model x layers : steps)."""
+    out = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        shape, sep, steps = item.partition(":")
+        d, x, layers = shape.partition("x")
+        if not (sep and x and d.isdigit() and layers.isdigit() and steps.isdigit()):
+            raise argparse.ArgumentTypeError(f"expected DxL:STEPS items (e.g. 128x2:60), got {item!r}")
+        out.append((int(d), int(layers), int(steps)))
+    if not out:
+        raise argparse.ArgumentTypeError("no model given")
+    return tuple(out)
+
+
+def _optimizers(text: str) -> tuple[str, ...]:
+    items = tuple(x.strip() for x in text.split(",") if x.strip())
+    if not items or any(x not in ("scape", "adams") for x in items):
+        raise argparse.ArgumentTypeError(f"expected a comma list of scape, adams; got {text!r}")
+    return items
+
+
+def _cmd_checkpoint(args: argparse.Namespace) -> int:
+    try:
+        config = CheckpointBenchConfig(
+            optimizers=args.optimizers,
+            density=args.density,
+            models=args.models,
+            nproc=args.nproc,
+            spares=args.spares,
+            block=args.block,
+            skip_steps=args.skip_steps,
+            kill_step=args.kill_step,
+            loopback_bytes=args.loopback_bytes,
+            loopback_iters=args.loopback_iters,
+            heartbeat_timeout_s=args.heartbeat_timeout,
+            threads=args.threads,
+            timeout_s=args.timeout,
+            out=args.out,
+        )
+    except ValueError as exc:
+        args.cmd_parser.error(str(exc))
+
+    def progress(row: dict[str, Any]) -> None:
+        ov = row["overhead_fraction"]
+        rec = row["recovery"]
+        print(
+            f"  {row['name']} {row['model']}: step {_f(row['step_ms_off'], '.1f')} ms off / "
+            f"{_f(row['step_ms_on'], '.1f')} ms on ({'-' if ov is None else f'{100 * ov:+.1f}%'}); "
+            f"recovery {_f(rec.get('total_s'), '.2f')} s",
+            flush=True,
+        )
+
+    try:
+        bench = run_checkpoint_bench(config, on_row=progress)
+    except (RuntimeError, LocalRunError) as exc:
+        print(f"sparsecomm bench checkpoint: error: {exc}", file=sys.stderr)
+        return 1
+    print(format_checkpoint_table(bench))
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        meta = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine()}
+        path.write_text(json.dumps({**bench, "env": meta}, indent=1, default=str) + "\n")
+        print(f"wrote {path}")
+    bad = [r["name"] + " " + r["model"] for r in bench["rows"] if not r["recovery"].get("ok")]
+    if bad:
+        print(f"sparsecomm bench checkpoint: no recovery measured for {', '.join(bad)}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def add_checkpoint_parser(inner: Any) -> None:
+    """Register ``bench checkpoint``."""
+    d = CheckpointBenchConfig()
+    p = inner.add_parser(
+        "checkpoint",
+        help="in-memory snapshots: step-time overhead, bytes, replication bandwidth, recovery split",
+        description="Runs the resilient train job with SCAPE and dense ShardedAdamS at each model size: once "
+        "with snapshots alternating in blocks (overhead, bytes, replication rate) and once with a worker "
+        "SIGKILLed and replaced by a spare (recovery split); then times a large snapshot between 2 local "
+        "ranks over the side channel.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--optimizers", type=_optimizers, default=",".join(d.optimizers), help="comma list of scape, adams (dense)"
+    )
+    p.add_argument("--density", type=float, default=d.density, help="SCAPE density")
+    p.add_argument(
+        "--models",
+        type=_models,
+        default=",".join(f"{a}x{b}:{n}" for a, b, n in d.models),  # a string default goes through type
+        metavar="DxL:STEPS,...",
+        help="model sizes (d_model x layers) and the overhead run's steps",
+    )
+    p.add_argument("--nproc", type=int, default=d.nproc, help="workers (>= 3: the kill leaves a majority)")
+    p.add_argument("--spares", type=int, default=d.spares, help="spares of the recovery run")
+    p.add_argument("--block", type=int, default=d.block, help="steps per snapshot / no-snapshot block")
+    p.add_argument("--skip-steps", type=int, default=d.skip_steps, help="first steps left out of the medians")
+    p.add_argument("--kill-step", type=int, default=d.kill_step, help="the recovery run kills slot 1 at this step")
+    p.add_argument(
+        "--loopback-bytes", type=int, default=d.loopback_bytes, help="loopback snapshot size in bytes (0: skip)"
+    )
+    p.add_argument("--loopback-iters", type=int, default=d.loopback_iters, help="timed loopback transfers")
+    p.add_argument("--heartbeat-timeout", type=float, default=d.heartbeat_timeout_s, help="seconds")
+    p.add_argument("--threads", type=int, default=d.threads, help="torch threads per rank")
+    p.add_argument("--timeout", type=float, default=d.timeout_s, help="deadline of each job, seconds")
+    p.add_argument("--out", metavar="DIR", default=d.out, help="directory of the jobs' event files")
+    p.add_argument("--json", metavar="FILE", help="write the result as JSON")
+    p.set_defaults(func=_cmd_checkpoint, cmd_parser=p)
