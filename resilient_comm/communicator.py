@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -91,7 +92,15 @@ class _GuardedWork:
 
     _POLLABLE = ("all_reduce", "all_gather", "broadcast", "barrier")
 
-    def __init__(self, comm: FaultAwareCommunicator, op: str, epoch: int, raw: RawWork) -> None:
+    def __init__(
+        self,
+        comm: FaultAwareCommunicator,
+        op: str,
+        epoch: int,
+        raw: RawWork,
+        on_success: Callable[[], object] | None = None,
+    ) -> None:
+        self._on_success = on_success
         self._comm = comm
         self._op = op
         self._epoch = epoch
@@ -103,7 +112,6 @@ class _GuardedWork:
             deadline = time.monotonic() + comm.timeout.total_seconds()
             self._helper = threading.Thread(target=self._wait_in_transport, args=(deadline,), daemon=True)
             self._helper.start()
-            comm._helpers.append((epoch, self._helper))
 
     def wait(self, timeout_s: float | None) -> None:
         comm = self._comm
@@ -148,11 +156,50 @@ class _GuardedWork:
         except CommError as exc:
             comm._fail(self._epoch, f"{self._op}: {exc}")
             raise comm._failure(self._epoch, f"{self._op}: {exc}") from exc
+        if self._on_success is not None:
+            self._on_success()
+            self._on_success = None
 
     def is_completed(self) -> bool:
         if self._comm._epoch_failed(self._epoch):
             return True
         return self._done.is_set() if self._op not in self._POLLABLE else self._raw.is_completed()
+
+
+class _Reaper:
+    """Destroys the transports of failed epochs on a background thread.
+
+    A gloo group destroyed while one of its operations is still pending (one
+    the caller gave up on when the epoch failed) blocks in its destructor until
+    that operation times out. The destructor releases the GIL, so running it
+    here keeps the member responsive; a short grace period makes sure this
+    thread holds the last reference.
+    """
+
+    _GRACE_S = 1.0
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[tuple[float, Any]] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def bury(self, *transports: Any) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="sparsecomm-reaper", daemon=True)
+                self._thread.start()
+        for t in transports:
+            if t is not None:
+                self._queue.put((time.monotonic() + self._GRACE_S, t))
+
+    def _run(self) -> None:
+        while True:
+            due, item = self._queue.get()
+            time.sleep(max(0.0, due - time.monotonic()))
+            del item  # the destructor runs here, however long it takes
+
+
+_REAPER = _Reaper()
 
 
 class FaultAwareCommunicator(BaseCommunicator):
@@ -203,11 +250,6 @@ class FaultAwareCommunicator(BaseCommunicator):
         self._side: SideChannel | None = None
         self._view: View | None = None
         self._failed_epoch = -1  # newest epoch this member saw fail
-        # Transports of failed epochs whose works are still waited on by helper
-        # threads: destroying a gloo group with pending work blocks until the
-        # work times out, so they are dropped only once those helpers ended.
-        self._graveyard: list[tuple[int, Any]] = []
-        self._helpers: list[tuple[int, threading.Thread]] = []
         self._state_lock = threading.Lock()
         self._reconfiguring = threading.Lock()
         if membership.role == "active":
@@ -364,7 +406,6 @@ class FaultAwareCommunicator(BaseCommunicator):
                 after_epoch = view.epoch
                 continue
             with self._state_lock:
-                prev_epoch = self._view.epoch if self._view is not None else -1
                 old, old_side = self._inner, self._side
                 self._inner, self._side, self._view = inner, side, view
                 self._rank, self._world_size = slot, view.world_size
@@ -372,7 +413,8 @@ class FaultAwareCommunicator(BaseCommunicator):
                 old.abort()
             if old_side is not None:
                 old_side.transport.abort()
-            self._bury(prev_epoch, old, old_side)
+            _REAPER.bury(old, old_side)
+            del old, old_side
             if self._epoch_failed(view.epoch):
                 self._abort_transports(view.epoch)
                 after_epoch = view.epoch
@@ -380,14 +422,6 @@ class FaultAwareCommunicator(BaseCommunicator):
             self._m.configured(view.epoch)
             logger.info("member %d: epoch %d, rank %d of %d", self._m.index, view.epoch, slot, view.world_size)
             return view
-
-    def _bury(self, epoch: int, *transports: Any) -> None:
-        """Drop ``epoch``'s transports now, or once their pending works ended (see ``_graveyard``)."""
-        self._helpers = [(e, t) for e, t in self._helpers if t.is_alive()]
-        busy = {e for e, _ in self._helpers}
-        self._graveyard = [(e, t) for e, t in self._graveyard if e in busy]
-        if epoch in busy:
-            self._graveyard.extend((epoch, t) for t in transports if t is not None)
 
     def _build(self, view: View, slot: int, channel: str = "") -> TorchCommunicator:
         """Build ``view``'s transport; give up at once if the epoch is aborted meanwhile.
@@ -511,7 +545,11 @@ class FaultAwareCommunicator(BaseCommunicator):
         return inner, view.epoch
 
     def _guard(
-        self, op: str, call: Callable[[TorchCommunicator], RawWork], on: tuple[TorchCommunicator, int] | None = None
+        self,
+        op: str,
+        call: Callable[[TorchCommunicator], RawWork],
+        on: tuple[TorchCommunicator, int] | None = None,
+        on_success: Callable[[], object] | None = None,
     ) -> RawWork:
         inner, epoch = self._current(op) if on is None else on
         if self._epoch_failed(epoch):
@@ -521,28 +559,43 @@ class FaultAwareCommunicator(BaseCommunicator):
         except CommError as exc:
             self._fail(epoch, f"{op}: {exc}")
             raise self._failure(epoch, f"{op}: {exc}") from exc
-        return _GuardedWork(self, op, epoch, raw)
+        return _GuardedWork(self, op, epoch, raw, on_success)
 
+    # The transport works on private copies: an operation given up when its epoch
+    # failed may still complete later (gloo's abort does not cancel it, and a
+    # resumed peer may finish it) and must then not write the caller's memory.
+    # Results are copied back only when the operation succeeded.
     def _raw_all_reduce(self, buf: torch.Tensor, op: ReduceOp) -> RawWork:
-        return self._guard("all_reduce", lambda c: c._raw_all_reduce(buf, op))
+        tmp = buf.clone()
+        return self._guard("all_reduce", lambda c: c._raw_all_reduce(tmp, op), on_success=lambda: buf.copy_(tmp))
 
     def _raw_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp) -> RawWork:
-        return self._guard("reduce_scatter", lambda c: c._raw_reduce_scatter(out, inp, op))
+        src, dst = inp.clone(), torch.empty_like(out)
+        return self._guard(
+            "reduce_scatter", lambda c: c._raw_reduce_scatter(dst, src, op), on_success=lambda: out.copy_(dst)
+        )
 
     def _raw_all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> RawWork:
-        return self._guard("all_gather", lambda c: c._raw_all_gather(out, inp))
+        src, dst = inp.clone(), torch.empty_like(out)
+        return self._guard("all_gather", lambda c: c._raw_all_gather(dst, src), on_success=lambda: out.copy_(dst))
 
     def _raw_broadcast(self, buf: torch.Tensor, src: int) -> RawWork:
-        return self._guard("broadcast", lambda c: c._raw_broadcast(buf, src))
+        tmp = buf.clone()
+        return self._guard("broadcast", lambda c: c._raw_broadcast(tmp, src), on_success=lambda: buf.copy_(tmp))
 
     def _raw_barrier(self) -> RawWork:
         return self._guard("barrier", lambda c: c._raw_barrier())
 
     def _raw_send(self, buf: torch.Tensor, dst: int, tag: int) -> RawWork:
-        return self._guard("send", lambda c: c._raw_send(buf, dst, tag))
+        tmp = buf.clone()
+        return self._guard("send", lambda c: c._raw_send(tmp, dst, tag))
 
     def _raw_recv(self, buf: torch.Tensor, src: int | None, tag: int) -> tuple[RawWork, Callable[[], int]]:
-        return self._guard_recv(buf, src, tag, self._current("recv"))
+        tmp = torch.empty_like(buf)
+        work, source = self._guard_recv(tmp, src, tag, self._current("recv"))
+        assert isinstance(work, _GuardedWork)
+        work._on_success = lambda: buf.copy_(tmp)
+        return work, source
 
     def _guard_recv(
         self, buf: torch.Tensor, src: int | None, tag: int, on: tuple[TorchCommunicator, int]
