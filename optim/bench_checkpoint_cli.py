@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
-from pathlib import Path
 from typing import Any
-
-import torch
 
 from bindings.spawn import LocalRunError
 from optim.bench_checkpoint import RECOVERY_PHASES, CheckpointBenchConfig, run_checkpoint_bench
+from optim.bench_output import write_bench_json
 
 __all__ = ["add_checkpoint_parser", "format_checkpoint_table"]
 
@@ -151,11 +147,7 @@ def _cmd_checkpoint(args: argparse.Namespace) -> int:
         return 1
     print(format_checkpoint_table(bench))
     if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine()}
-        path.write_text(json.dumps({**bench, "env": meta}, indent=1, default=str) + "\n")
-        print(f"wrote {path}")
+        print(f"wrote {write_bench_json(args.json, bench)}")
     bad = [r["name"] + " " + r["model"] for r in bench["rows"] if not r["recovery"].get("ok")]
     if bad:
         print(f"sparsecomm bench checkpoint: no recovery measured for {', '.join(bad)}", file=sys.stderr)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ import torch
 from bindings.spawn import LocalRunError
 from optim.bench_checkpoint_cli import add_checkpoint_parser
 from optim.bench_optimizer import OptimizerBenchConfig, run_optimizer_bench
+from optim.bench_output import bench_env, write_bench_json
 from optim.bench_recovery_cli import add_recovery_parser
 from optim.cli_options import add_model_options, add_scape_options, model_settings, scape_settings
 from optim.convergence import DEFAULT_DENSITIES, run_convergence
@@ -156,7 +156,7 @@ def _write_json(path_text: str | None, rows: list[dict[str, Any]]) -> None:
         return
     path = Path(path_text)
     path.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine()}
+    meta = bench_env()
     path.write_text(json.dumps([{**r, "env": meta} for r in rows], indent=1))
     print(f"wrote {path}")
 
@@ -267,9 +267,7 @@ def _cmd_convergence(args: argparse.Namespace) -> int:
         return 1
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine()}
-    json_path = out / "convergence.json"
-    json_path.write_text(json.dumps({**bench, "env": meta}, indent=1) + "\n")
+    json_path = write_bench_json(out / "convergence.json", bench)
     png_path = write_convergence_plot(bench, out / "convergence.png")
     print(f"# {base.nproc} ranks, {base.steps} steps, same seed and data order; ratios to dense ShardedAdamS")
     print(format_convergence_table(bench))
@@ -357,11 +355,7 @@ def _cmd_optimizer(args: argparse.Namespace) -> int:
     print(format_optimizer_table(bench))
     print(f"total {bench['wall_time_s']:.0f} s")
     if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine()}
-        path.write_text(json.dumps({**bench, "env": meta}, indent=1) + "\n")
-        print(f"wrote {path}")
+        print(f"wrote {write_bench_json(args.json, bench)}")
     return 0
 
 

@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
-from pathlib import Path
 from typing import Any
 
-import torch
-
+from optim.bench_output import write_bench_json
 from optim.bench_recovery import PHASES, RecoveryBenchConfig, run_recovery_bench
 
 __all__ = ["add_recovery_parser", "format_recovery_table"]
@@ -65,11 +61,7 @@ def _cmd_recovery(args: argparse.Namespace) -> int:
         return 1
     print(format_recovery_table(bench))
     if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine()}
-        path.write_text(json.dumps({**bench, "env": meta}, indent=1, default=str) + "\n")
-        print(f"wrote {path}")
+        print(f"wrote {write_bench_json(args.json, bench)}")
     return 0
 
 
