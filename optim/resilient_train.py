@@ -198,6 +198,10 @@ class _Worker:
             if not self.replicator.wait_encoded(self.config.comm_timeout_s):
                 raise RuntimeError("snapshot copy did not finish")
             self.snapshot_s[-1] += time.perf_counter() - t0
+            failed = self.replicator.failed
+            if failed is not None and self.comm.healthy:
+                # not a peer failure (the epoch is fine): going on would leave this slot unprotected
+                raise RuntimeError(f"snapshot replication stopped: {failed}")
 
     def _start_replicator(self, version: int) -> None:
         """Start replicating on the current epoch, beginning with the held ``version``. Collective."""
