@@ -217,6 +217,30 @@ class _ShardedOptimizer(Optimizer):
         """The communicator the optimizer synchronizes over."""
         return self._comm
 
+    def _check_shard(self, what: str, sh: dict[str, Any]) -> None:
+        """Raise ``ValueError`` unless ``sh`` (a sharded state) fits this rank's layout, before anything changes."""
+        b = self._bucket
+        got = (sh.get("rank"), sh.get("world_size"), sh.get("numel"))
+        if got != (b.rank, b.world_size, b.numel):
+            raise ValueError(
+                f"{what}: saved for (rank, world_size, numel) {got}, "
+                f"this optimizer is {(b.rank, b.world_size, b.numel)}"
+            )
+        if set(sh["shard"]) != set(self._shard):
+            raise ValueError(f"{what}: state tensors {sorted(sh['shard'])} != {sorted(self._shard)}")
+        pairs = [("master", sh["master"], self._master), *((n, sh["shard"][n], t) for n, t in self._shard.items())]
+        for name, src, dst in pairs:
+            if src.shape != dst.shape or src.dtype != dst.dtype:
+                raise ValueError(
+                    f"{what}: {name} has shape {tuple(src.shape)} {src.dtype}, expected {tuple(dst.shape)} {dst.dtype}"
+                )
+
+    def _copy_shard(self, sh: dict[str, Any]) -> None:
+        self._master.copy_(sh["master"])
+        for n, t in self._shard.items():
+            t.copy_(sh["shard"][n])
+        self._step = int(sh["step"])
+
     def _extra_state(self) -> dict[str, Any]:
         return {}
 
@@ -245,24 +269,8 @@ class _ShardedOptimizer(Optimizer):
         (SCAPE re-makes its in-flight mask). Parameters are not touched: call
         :meth:`resync_params` afterwards.
         """
-        b = self._bucket
-        got = (snap.get("rank"), snap.get("world_size"), snap.get("numel"))
-        if got != (b.rank, b.world_size, b.numel):
-            raise ValueError(
-                f"snapshot: saved for (rank, world_size, numel) {got}, this optimizer is "
-                f"{(b.rank, b.world_size, b.numel)}"
-            )
-        if set(snap["shard"]) != set(self._shard):
-            raise ValueError(f"snapshot: state tensors {sorted(snap['shard'])} != {sorted(self._shard)}")
-        for name, dst in [("master", self._master), *((f"shard.{n}", t) for n, t in self._shard.items())]:
-            src = snap["master"] if name == "master" else snap["shard"][name.split(".", 1)[1]]
-            if src.shape != dst.shape or src.dtype != dst.dtype:
-                raise ValueError(
-                    f"snapshot: {name} has shape {tuple(src.shape)} {src.dtype}, expected "
-                    f"{tuple(dst.shape)} {dst.dtype}"
-                )
-            dst.copy_(src)
-        self._step = int(snap["step"])
+        self._check_shard("snapshot", snap)
+        self._copy_shard(snap)
         self._restore_extra(snap["extra"])
 
     @torch.no_grad()
@@ -304,22 +312,11 @@ class _ShardedOptimizer(Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state saved by the same rank of the same layout."""
         sh = state_dict.get("sharded")
-        b = self._bucket
         if sh is None:
             raise ValueError("state_dict: not a sharded optimizer state (no 'sharded' entry)")
-        got = (sh["rank"], sh["world_size"], sh["numel"])
-        if got != (b.rank, b.world_size, b.numel):
-            raise ValueError(
-                f"state_dict: saved for (rank, world_size, numel) {got}, "
-                f"this optimizer is {(b.rank, b.world_size, b.numel)}"
-            )
-        if set(sh["shard"]) != set(self._shard):
-            raise ValueError(f"state_dict: state tensors {sorted(sh['shard'])} != {sorted(self._shard)}")
+        self._check_shard("state_dict", sh)
         super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
-        self._master.copy_(sh["master"])
-        for n, s in self._shard.items():
-            s.copy_(sh["shard"][n])
-        self._step = int(sh["step"])
+        self._copy_shard(sh)
         self._load_extra(sh["extra"])
 
 
