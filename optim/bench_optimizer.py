@@ -105,13 +105,7 @@ class OptimizerBenchConfig:
 
     def model_config(self) -> GPTConfig:
         """The benchmarked model shape (the training job's GPT, byte vocabulary)."""
-        return GPTConfig(
-            vocab_size=VOCAB_SIZE,
-            context=self.context,
-            d_model=self.d_model,
-            n_layers=self.n_layers,
-            n_heads=self.n_heads,
-        )
+        return self.train_config("adams").model_config()
 
     def train_config(self, optimizer: str, density: float = 0.01, world_size: int | None = None) -> TrainConfig:
         """The :class:`TrainConfig` whose :func:`~optim.train.build_optimizer` builds one variant."""
