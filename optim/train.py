@@ -44,7 +44,8 @@ from bindings.launch import detect_launch
 from bindings.spawn import run_local
 from optim.data import DEFAULT_MAX_BYTES, VOCAB_SIZE, Corpus, load_corpus, sample_batch
 from optim.model import GPT, GPTConfig
-from optim.scape import MASK_SCORES, SCAPE, UNSELECTED_POLICIES, ShardedAdamS, ShardedAdamW
+from optim.scape import MASK_SCORES, SCAPE, UNSELECTED_POLICIES
+from optim.sharded import ShardedAdamS, ShardedAdamW
 
 __all__ = [
     "OPTIMIZERS",

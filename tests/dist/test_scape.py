@@ -58,7 +58,8 @@ def _split(flat: torch.Tensor) -> list[torch.Tensor]:
 # ---------------------------------------------------------------------------- density 1
 def _rank_dense_equivalence(rank: int, ws: int, steps: int) -> dict:
     from optim.adams import AdamS
-    from optim.scape import SCAPE, ShardedAdamS, ShardedAdamW
+    from optim.scape import SCAPE
+    from optim.sharded import ShardedAdamS, ShardedAdamW
 
     hp = dict(lr=0.05, weight_decay=0.1)
     ps_a, ps_b, ps_r, ps_w, ps_rw = (_params() for _ in range(5))
@@ -350,7 +351,8 @@ def test_error_feedback_conservation() -> None:
 
 # ---------------------------------------------------------------------------- bad input
 def _rank_bad_input(rank: int, ws: int) -> dict:
-    from optim.scape import SCAPE, ShardedAdamS
+    from optim.scape import SCAPE
+    from optim.sharded import ShardedAdamS
 
     def outcome(fn) -> str:
         try:
