@@ -5,6 +5,13 @@ flat buffer of N elements, padded to P * shard_size (``shard_size = ceil(N/P)``)
 Rank r owns the contiguous shard ``[r * shard_size, (r + 1) * shard_size)``; its
 real elements are those below N, the rest is padding that is never updated.
 
+The bucket also follows what happens to the parameters after it was built:
+:meth:`FlatBucket.check_params` refuses a parameter whose shape, dtype or
+device changed, :meth:`FlatBucket.rebind` re-attaches fp32 parameters whose
+storage was replaced (``p.data = ...``, trainers that re-materialize the
+model), and :meth:`FlatBucket.replace_param` swaps in a new parameter object
+for one a module replaced.
+
 A shard is cut into *segments*: maximal runs of consecutive real elements that
 belong to the same param group and the same weight-decay rule (decay applies to
 parameters with ``p.dim() >= wd_min_ndim``). The optimizers call the per-element
@@ -53,8 +60,11 @@ class FlatBucket:
     def __init__(self, param_groups: Sequence[dict[str, Any]], rank: int, world_size: int) -> None:
         params: list[Tensor] = []
         groups: list[int] = []
+        names: list[str] = []
         for gi, group in enumerate(param_groups):
-            for p in group["params"]:
+            given = group.get("param_names")
+            for j, p in enumerate(group["params"]):
+                names.append(str(given[j]) if given else f"params[{len(params)}]")
                 params.append(p)
                 groups.append(gi)
         if not params:
@@ -71,6 +81,8 @@ class FlatBucket:
             if not p.is_floating_point():
                 raise ValueError(f"params: floating-point parameters required, got {p.dtype}")
         self.params = params
+        self.names = names
+        self.shapes = [p.shape for p in params]
         self.dtype, self.device = params[0].dtype, params[0].device
         self.rank, self.world_size = rank, world_size
         self.offsets: list[int] = []
@@ -108,18 +120,24 @@ class FlatBucket:
         """A zeroed fp32 buffer of ``padded_numel`` elements on the params' device."""
         return torch.zeros(self.padded_numel, dtype=torch.float32, device=self.device)
 
-    def gather_grads(self, out: Tensor) -> Tensor:
-        """Fill ``out`` (padded flat fp32) with the params' grads; ``None`` grads give 0."""
-        for p, off in zip(self.params, self.offsets, strict=True):
+    def gather_grads(self, out: Tensor) -> list[int]:
+        """Fill ``out`` (padded flat fp32) with the params' grads; ``None`` grads give 0.
+
+        Returns:
+            The indices of the parameters without a gradient.
+        """
+        missing: list[int] = []
+        for i, (p, off) in enumerate(zip(self.params, self.offsets, strict=True)):
             dst = out[off : off + p.numel()]
             if p.grad is None:
                 dst.zero_()
+                missing.append(i)
             else:
                 if p.grad.is_sparse:
                     raise RuntimeError("sparse gradients are not supported; use dense ones")
                 dst.copy_(p.grad.detach().reshape(-1))
         out[self.numel :].zero_()
-        return out
+        return missing
 
     @torch.no_grad()
     def bind_params(self, flat: Tensor) -> bool:
@@ -145,6 +163,75 @@ class FlatBucket:
     def _is_bound(self, flat: Tensor) -> bool:
         bound = getattr(self, "_bound", None)
         return bound is not None and bound.data_ptr() == flat.data_ptr()
+
+    def check_params(self) -> None:
+        """Raise ``ValueError`` naming the first parameter whose shape, dtype or device changed."""
+        for name, p, shape in zip(self.names, self.params, self.shapes, strict=True):
+            if p.shape != shape or p.dtype != self.dtype or p.device != self.device:
+                raise ValueError(
+                    f"parameter {name}: now {tuple(p.shape)} {p.dtype} on {p.device}, but the optimizer was "
+                    f"built for {tuple(shape)} {self.dtype} on {self.device}; build the optimizer after "
+                    "moving or casting the model"
+                )
+
+    @torch.no_grad()
+    def rebind(self, flat: Tensor) -> list[int]:
+        """Make parameters that stopped being views of ``flat`` views again, keeping their values.
+
+        Something replaced their storage (``p.data = ...``, ``swap_tensors``, a
+        trainer that re-materializes the model): their current values are
+        copied into ``flat`` and the parameters view ``flat`` again. A no-op
+        when :meth:`bind_params` did not bind (non-fp32 parameters).
+
+        Returns:
+            The indices of the parameters re-bound.
+        """
+        if not self._is_bound(flat):
+            return []
+        base, size = flat.data_ptr(), flat.element_size()
+        out: list[int] = []
+        for i, (p, off) in enumerate(zip(self.params, self.offsets, strict=True)):
+            n = p.numel()
+            if n == 0 or (p.data_ptr() == base + off * size and p.is_contiguous()):
+                continue
+            view = flat[off : off + n]
+            view.copy_(p.detach().reshape(-1))
+            p.data = view.view(p.shape)
+            out.append(i)
+        return out
+
+    def replace_param(self, index: int, new: Tensor) -> None:
+        """Put ``new`` in place of parameter ``index`` (same shape, dtype and device), unbound.
+
+        Raises:
+            ValueError: ``new`` does not fit the slot, or is already held.
+        """
+        shape, name = self.shapes[index], self.names[index]
+        if new.shape != shape or new.dtype != self.dtype or new.device != self.device:
+            raise ValueError(
+                f"parameter {name}: replaced by a tensor of {tuple(new.shape)} {new.dtype} on {new.device}, "
+                f"but the optimizer was built for {tuple(shape)} {self.dtype} on {self.device}; "
+                "build a new optimizer for the new parameters"
+            )
+        if any(new is p for p in self.params):
+            raise ValueError(f"parameter {name}: replaced by a parameter this optimizer already holds")
+        self.params[index] = new
+
+    def own_values(self, flat: Tensor) -> Tensor:
+        """The current values of this rank's shard of the parameters, in ``own_slice(flat)`` (fp32).
+
+        When the parameters view ``flat`` this is the slice itself; otherwise the
+        owned ranges of the parameters are copied (cast to fp32) into it.
+        """
+        own = self.own_slice(flat)
+        if self._is_bound(flat):
+            return own
+        lo_g, hi_g = self.shard_lo, self.shard_lo + self.real
+        for p, off in zip(self.params, self.offsets, strict=True):
+            a, b = max(off, lo_g), min(off + p.numel(), hi_g)
+            if a < b:
+                own[a - lo_g : b - lo_g].copy_(p.detach().reshape(-1)[a - off : b - off])
+        return own
 
     def gather_params(self, out: Tensor) -> Tensor:
         """Fill ``out`` (padded flat fp32) with the current parameter values."""

@@ -24,6 +24,7 @@ sparse optimizer on this base.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -36,8 +37,11 @@ import sparsecomm.distributed as dist
 from bindings import ReduceOp
 from optim.adams import _validate_group, adams_step_
 from optim.buckets import FlatBucket
+from optim.param_watch import ParamWatch
 
 __all__ = ["ShardedAdamS", "ShardedAdamW"]
+
+logger = logging.getLogger(__name__)
 
 
 class _ShardedOptimizer(Optimizer):
@@ -47,6 +51,15 @@ class _ShardedOptimizer(Optimizer):
     unchanged; :meth:`optim.buckets.FlatBucket.bind_params`), so the parameter
     all-gather writes the parameters directly. Build the optimizer after moving
     the model to its device and dtype.
+
+    Each step first takes in what happened to the parameters since the last
+    one (:meth:`_sync_params`): storage replaced (a trainer re-materializing
+    the model, ``p.data = ...``) is re-bound with the values kept; values
+    written in place (``model.load_state_dict(sd)``, ``nn.init``) become the
+    master weights of this rank's shard; a parameter object that a module
+    replaced (``load_state_dict(assign=True)``, ``module.weight =
+    nn.Parameter(...)``) is followed; a changed shape, dtype or device, and a
+    step without a single gradient, raise before any communication.
     """
 
     _state_names: tuple[str, ...] = ("exp_avg",)
@@ -82,6 +95,8 @@ class _ShardedOptimizer(Optimizer):
         self._master = b.own_slice(b.gather_params(self._flat)).clone()
         self._shard = {n: torch.zeros_like(self._master) for n in self._state_names}
         self._step = 0
+        self._watch = ParamWatch(b.params)
+        self._master_wins = False  # set by loads: the next step keeps the loaded master over the params
 
     def _agree(self, fp: int, error: ValueError | None) -> None:
         """One small all_reduce: every rank raises if any rank failed or the params differ."""
@@ -112,11 +127,81 @@ class _ShardedOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         t = self._step
-        self._bucket.gather_grads(self._grad)
+        self._sync_params()
+        self._check_grads(self._bucket.gather_grads(self._grad))
         self._run(t)
         self._step = t + 1
         self._after(t)
         return loss
+
+    @torch.no_grad()
+    def _follow_params(self) -> None:
+        """Follow replaced parameter objects and re-bind replaced storage; refuse changed shapes/dtypes."""
+        b = self._bucket
+        for rep in self._watch.take():
+            old = b.params[rep.index]
+            if any(rep.param is p for p in b.params):
+                logger.info(
+                    "%s: %s now shares %s, which this optimizer trains",
+                    type(self).__name__,
+                    rep.where,
+                    b.names[rep.index],
+                )
+                continue
+            if rep.dropped:
+                logger.warning(
+                    "%s: %s was replaced by two different parameters (%s, then %s), as when a load with "
+                    "assign=True unties tied weights; following %s only: tie them again or rebuild the optimizer",
+                    type(self).__name__,
+                    b.names[rep.index],
+                    rep.dropped[0],
+                    rep.where,
+                    rep.where,
+                )
+            b.replace_param(rep.index, rep.param)
+            for grp in self.param_groups:
+                grp["params"] = [rep.param if p is old else p for p in grp["params"]]
+            self._watch.forget(old)
+            logger.info(
+                "%s: following the new parameter object of %s (%s)", type(self).__name__, rep.where, b.names[rep.index]
+            )
+        b.check_params()
+        rebound = b.rebind(self._flat)
+        if rebound:
+            logger.info(
+                "%s: the storage of %d parameter(s) was replaced (first: %s); re-bound with their values",
+                type(self).__name__,
+                len(rebound),
+                b.names[rebound[0]],
+            )
+
+    @torch.no_grad()
+    def _sync_params(self) -> None:
+        """Take in what happened to the parameters since the last step (local, no communication)."""
+        b = self._bucket
+        self._follow_params()
+        if self._master_wins:
+            self._master_wins = False
+            return
+        own, master = b.own_values(self._flat)[: b.real], self._master[: b.real]
+        ref = master if b.dtype == torch.float32 else master.to(b.dtype).float()
+        if not torch.equal(own, ref):  # one read of the shard when nothing changed
+            changed = (own != ref) & ~(own.isnan() & ref.isnan())
+            master.copy_(torch.where(changed, own, master))
+            logger.info(
+                "%s: %d parameter values were written outside the optimizer; taken as master",
+                type(self).__name__,
+                int(changed.sum()),
+            )
+
+    def _check_grads(self, missing: list[int]) -> None:
+        b = self._bucket
+        if len(missing) == len(b.params):
+            raise RuntimeError(
+                f"{type(self).__name__}.step(): none of its {len(b.params)} parameters has a gradient. If the model's "
+                "parameters were replaced by new objects that no module registered (e.g. a copy of the model), "
+                "build the optimizer over the parameters the model uses"
+            )
 
     def _run(self, t: int) -> None:
         self._dense_step(t)
@@ -208,6 +293,7 @@ class _ShardedOptimizer(Optimizer):
                 )
 
     def _copy_shard(self, sh: dict[str, Any]) -> None:
+        self._master_wins = True
         self._master.copy_(sh["master"])
         for n, t in self._shard.items():
             t.copy_(sh["shard"][n])
@@ -251,8 +337,10 @@ class _ShardedOptimizer(Optimizer):
 
         Collective: every rank must call this.
         """
+        self._follow_params()
         self._comm.all_gather(self._flat, self._master)
         self._bucket.write_params(self._flat)
+        self._master_wins = False
 
     def abandon(self) -> None:
         """Forget collectives in flight on a failed transport (call before dropping the optimizer)."""

@@ -1,0 +1,51 @@
+"""Run a worker script of ``tests/dist/workers`` under ``torchrun`` with a hard deadline.
+
+``run_torchrun("hf_trainer", 2, "--out", path)`` runs ``python -m
+torch.distributed.run --standalone --nproc-per-node 2
+tests/dist/workers/hf_trainer.py --out path`` from the repository root, as a
+user launches a job, and returns the completed process. On timeout the whole
+process group (torchrun and every rank) is killed and the test fails with
+everything the ranks printed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+__all__ = ["ROOT", "run_torchrun"]
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKERS = ROOT / "tests" / "dist" / "workers"
+
+
+def run_torchrun(worker: str, nproc: int, *args: str, timeout: float = 240.0) -> subprocess.CompletedProcess[str]:
+    """Run ``tests/dist/workers/<worker>.py`` on ``nproc`` local ranks; fail the test on timeout."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]])
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        str(WORKERS / f"{worker}.py"),
+        *args,
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"torchrun {worker} did not finish in {timeout:.0f} s; output:\n{out[-6000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
