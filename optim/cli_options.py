@@ -15,6 +15,15 @@ def add_model_options(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     """Learning rate, model shape, evaluation and threads (defaults from ``d``)."""
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
     p.add_argument("--warmup", type=int, default=d.warmup_steps, help="learning-rate warm-up steps")
+    p.add_argument(
+        "--min-lr-ratio",
+        type=float,
+        default=d.min_lr_ratio,
+        help="final learning rate of the cosine decay, relative to --lr (1: constant after warm-up)",
+    )
+    p.add_argument(
+        "--weight-decay", type=float, default=d.weight_decay, help="decoupled weight decay of matrices (0: off)"
+    )
     p.add_argument("--batch", type=int, default=d.batch, help="sequences per rank per step")
     p.add_argument("--context", type=int, default=d.context, help="tokens per sequence")
     p.add_argument("--d-model", type=int, default=d.d_model, help="model width")
@@ -41,6 +50,8 @@ def model_settings(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "lr": args.lr,
         "warmup_steps": args.warmup,
+        "min_lr_ratio": args.min_lr_ratio,
+        "weight_decay": args.weight_decay,
         "batch": args.batch,
         "context": args.context,
         "d_model": args.d_model,

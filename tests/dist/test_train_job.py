@@ -13,7 +13,8 @@ import pytest
 from bindings.spawn import LocalRunError
 from bindings.stats import ring_bytes
 from optim.cli import build_parser, build_report, write_report
-from optim.train import OnStep, TrainConfig, launch_local, run_training
+from optim.cli_options import model_settings
+from optim.train import OnStep, TrainConfig, launch_local, lr_at, run_training
 
 pytestmark = pytest.mark.dist
 
@@ -157,6 +158,12 @@ def test_cli_optimizer_options() -> None:
         ["train", "--optimizer", "scape", "--density", "0.05", "--warmup-steps", "7", "--mask-delay", "2"]
     )
     assert (args.optimizer, args.density, args.warmup_steps, args.mask_delay) == ("scape", 0.05, 7, 2)
+    # constant learning rate, no weight decay: the setting of the held-out convergence checks
+    args = build_parser().parse_args(["train", "--warmup", "0", "--min-lr-ratio", "1", "--weight-decay", "0"])
+    settings = model_settings(args)
+    assert (settings["warmup_steps"], settings["min_lr_ratio"], settings["weight_decay"]) == (0, 1.0, 0.0)
+    config = TrainConfig(**settings, steps=50)
+    assert {lr_at(config, s) for s in (1, 25, 50)} == {config.lr}
     d = TrainConfig()
     args = build_parser().parse_args(["train"])
     assert (args.optimizer, args.density, args.warmup_steps) == (d.optimizer, d.density, d.sparse_warmup_steps)
@@ -206,6 +213,7 @@ def test_cli_defaults_match_train_config() -> None:
     d = TrainConfig()
     assert (args.nproc, args.steps, args.backend, args.out) == (d.nproc, d.steps, d.backend, d.out)
     assert (args.lr, args.batch, args.seed, args.data) == (d.lr, d.batch, d.seed, d.data)
+    assert (args.weight_decay, args.min_lr_ratio) == (d.weight_decay, d.min_lr_ratio)
     assert args.func is not None
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train", "--backend", "nccl"])
