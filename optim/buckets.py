@@ -164,15 +164,22 @@ class FlatBucket:
         bound = getattr(self, "_bound", None)
         return bound is not None and bound.data_ptr() == flat.data_ptr()
 
+    def _misfit(self, index: int, t: Tensor, what: str, advice: str) -> ValueError | None:
+        """The error for tensor ``t`` in slot ``index`` if its shape, dtype or device differ from the slot's."""
+        shape = self.shapes[index]
+        if t.shape == shape and t.dtype == self.dtype and t.device == self.device:
+            return None
+        return ValueError(
+            f"parameter {self.names[index]}: {what} {tuple(t.shape)} {t.dtype} on {t.device}, but the optimizer "
+            f"was built for {tuple(shape)} {self.dtype} on {self.device}; {advice}"
+        )
+
     def check_params(self) -> None:
         """Raise ``ValueError`` naming the first parameter whose shape, dtype or device changed."""
-        for name, p, shape in zip(self.names, self.params, self.shapes, strict=True):
-            if p.shape != shape or p.dtype != self.dtype or p.device != self.device:
-                raise ValueError(
-                    f"parameter {name}: now {tuple(p.shape)} {p.dtype} on {p.device}, but the optimizer was "
-                    f"built for {tuple(shape)} {self.dtype} on {self.device}; build the optimizer after "
-                    "moving or casting the model"
-                )
+        for i, p in enumerate(self.params):
+            error = self._misfit(i, p, "now", "build the optimizer after moving or casting the model")
+            if error is not None:
+                raise error
 
     @torch.no_grad()
     def rebind(self, flat: Tensor) -> list[int]:
@@ -206,15 +213,11 @@ class FlatBucket:
         Raises:
             ValueError: ``new`` does not fit the slot, or is already held.
         """
-        shape, name = self.shapes[index], self.names[index]
-        if new.shape != shape or new.dtype != self.dtype or new.device != self.device:
-            raise ValueError(
-                f"parameter {name}: replaced by a tensor of {tuple(new.shape)} {new.dtype} on {new.device}, "
-                f"but the optimizer was built for {tuple(shape)} {self.dtype} on {self.device}; "
-                "build a new optimizer for the new parameters"
-            )
+        error = self._misfit(index, new, "replaced by a tensor of", "build a new optimizer for the new parameters")
+        if error is not None:
+            raise error
         if any(new is p for p in self.params):
-            raise ValueError(f"parameter {name}: replaced by a parameter this optimizer already holds")
+            raise ValueError(f"parameter {self.names[index]}: replaced by a parameter this optimizer already holds")
         self.params[index] = new
 
     def own_values(self, flat: Tensor) -> Tensor:
