@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 from optim.adams import AdamS, adams_step_, adams_step_foreach_, bias_correction_factor, step_bound
+from optim.local import LocalAdamS, TopKAdamS
 from optim.scape import SCAPE
 from optim.sharded import ShardedAdamS, ShardedAdamW
 
 __all__ = [
     "AdamS",
+    "LocalAdamS",
     "SCAPE",
     "ShardedAdamS",
     "ShardedAdamW",
+    "TopKAdamS",
     "adams_step_",
     "adams_step_foreach_",
     "bias_correction_factor",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,8 @@ from optim.bench_optimizer import OptimizerBenchConfig, run_optimizer_bench
 from optim.bench_output import bench_env, write_bench_json
 from optim.bench_recovery_cli import add_recovery_parser
 from optim.cli_options import add_model_options, add_scape_options, model_settings, scape_settings
-from optim.convergence import DEFAULT_DENSITIES, run_convergence
+from optim.convergence import DEFAULT_DENSITIES, METHODS, run_convergence
+from optim.suite import HORIZONS, SETTINGS
 from optim.train import TrainConfig
 from sparsecomm.bench import OPS, CollectivesBenchConfig, run_collectives_bench
 from sparsecomm.bench_sparse import bench_pack
@@ -235,7 +237,47 @@ def write_convergence_plot(bench: dict[str, Any], path: str | Path) -> Path:
     return out
 
 
+def _cmd_suite(args: argparse.Namespace) -> int:
+    from optim.suite import run_suite
+    from optim.suite_report import format_suite_table, format_worst_table, write_suite_plot
+
+    def progress(setting: str, steps: int, r: dict[str, Any]) -> None:
+        print(
+            f"{setting} ({steps} steps) {r['name']}: final validation loss {r['final_val_loss']:.4f}, "
+            f"{r['wall_time_s']:.0f} s",
+            flush=True,
+        )
+
+    overrides: dict[str, Any] = {"nproc": args.nproc, "seed": args.seed, "job_timeout_s": args.timeout}
+    try:
+        suite = run_suite(
+            args.settings,
+            horizons=args.horizons,
+            densities=args.densities,
+            methods=args.methods,
+            overrides=overrides,
+            on_run=progress,
+        )
+    except ValueError as exc:
+        args.cmd_parser.error(str(exc))
+    except LocalRunError as exc:
+        print(f"sparsecomm bench convergence: error: {exc}", file=sys.stderr)
+        return 1
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    json_path = write_bench_json(out / "suite.json", suite)
+    png_path = write_suite_plot(suite, out / "suite.png")
+    print(f"# {args.nproc} ranks; validation loss / dense ShardedAdamS, same seed and data order per setting")
+    print(format_suite_table(suite))
+    print("# worst case over the suite")
+    print(format_worst_table(suite))
+    print(f"total {suite['wall_time_s']:.0f} s; wrote {json_path}, {png_path}")
+    return 0
+
+
 def _cmd_convergence(args: argparse.Namespace) -> int:
+    if args.suite:
+        return _cmd_suite(args)
     try:
         base = TrainConfig(
             steps=args.steps,
@@ -261,7 +303,7 @@ def _cmd_convergence(args: argparse.Namespace) -> int:
         )
 
     try:
-        bench = run_convergence(base, args.densities, on_run=progress)
+        bench = run_convergence(base, args.densities, methods=args.methods, on_run=progress)
     except LocalRunError as exc:
         print(f"sparsecomm bench convergence: error: {exc}", file=sys.stderr)
         return 1
@@ -299,7 +341,45 @@ def _add_convergence_parser(inner: Any) -> None:
     p.add_argument("--max-corpus-bytes", type=int, default=d.max_corpus_bytes, help="size cap of the corpus")
     p.add_argument("--data", metavar="FILE", default=None, help="text file to train on")
     p.add_argument("--timeout", type=float, default=d.job_timeout_s, help="deadline of each run, seconds")
+    p.add_argument(
+        "--methods",
+        type=_names(METHODS),
+        default=("scape",),
+        help="comma list of sparse methods, each run at every density: " + ", ".join(METHODS),
+    )
+    p.add_argument(
+        "--suite",
+        action="store_true",
+        help="run the convergence suite (every setting of optim.suite.SETTINGS at every horizon) instead of one "
+        "setting; model, schedule and corpus options are then the settings' own. Writes OUT/suite.json and "
+        "OUT/suite.png",
+    )
+    p.add_argument(
+        "--settings", type=_names(tuple(SETTINGS)), default=None, help="suite: comma list of settings (default all)"
+    )
+    p.add_argument("--horizons", type=_ints, default=HORIZONS, help="suite: comma list of step counts to judge at")
     p.set_defaults(func=_cmd_convergence, cmd_parser=p)
+
+
+def _names(known: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
+    def parse(text: str) -> tuple[str, ...]:
+        items = tuple(x.strip() for x in text.split(",") if x.strip())
+        bad = [x for x in items if x not in known]
+        if not items or bad:
+            raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(known)}; got {text!r}")
+        return items
+
+    return parse
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        items = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of integers, got {text!r}") from None
+    if not items or any(x < 1 for x in items):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return items
 
 
 def format_optimizer_table(bench: dict[str, Any]) -> str:

@@ -35,7 +35,7 @@ __all__ = ["FlatBucket", "Segment"]
 
 @dataclass(frozen=True)
 class Segment:
-    """A run ``[lo, hi)`` of shard-local positions sharing a group and a decay rule."""
+    """A run ``[lo, hi)`` of shard-local (or, in ``full_segments``, flat) positions sharing a group and a decay rule."""
 
     lo: int
     hi: int
@@ -97,10 +97,14 @@ class FlatBucket:
         self.padded_numel = self.shard_size * world_size
         self.shard_lo = rank * self.shard_size
         self.real = max(0, min(self.shard_size, n - self.shard_lo))
-        self.segments = self._segments(param_groups, groups)
+        self.segments = self._segments(param_groups, groups, self.shard_lo, self.shard_lo + self.real)
+        self.full_segments = self._segments(param_groups, groups, 0, n)
+        """Segments of the whole flat buffer (positions ``[0, numel)``), for replicated-state optimizers."""
 
-    def _segments(self, param_groups: Sequence[dict[str, Any]], groups: list[int]) -> list[Segment]:
-        lo_g, hi_g = self.shard_lo, self.shard_lo + self.real
+    def _segments(
+        self, param_groups: Sequence[dict[str, Any]], groups: list[int], lo_g: int, hi_g: int
+    ) -> list[Segment]:
+        """The segments of flat positions ``[lo_g, hi_g)``, relative to ``lo_g``."""
         out: list[Segment] = []
         for p, off, gi in zip(self.params, self.offsets, groups, strict=True):
             a, b = max(off, lo_g), min(off + p.numel(), hi_g)

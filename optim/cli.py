@@ -159,7 +159,7 @@ def write_loss_plot(report: dict[str, Any], path: str | Path) -> Path:
     ax.set_title(
         f"{report['optimizer']['name']}, {report['world_size']} ranks ({report['backend']}), "
         f"{model['num_parameters']:,} params, "
-        f"batch {report['config']['batch']}x{model['context']} per rank",
+        f"batch {report['config']['batch']}x{report['config']['context']} per rank",
         fontsize=10,
     )
     ax.set_xlabel("step")
@@ -224,10 +224,13 @@ def _add_train_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
         "--optimizer",
         choices=OPTIMIZERS,
         default=d.optimizer,
-        help="adamw: ShardedAdamW, adams: ShardedAdamS, scape: SCAPE (sparse), "
+        help="adamw: ShardedAdamW, adams: ShardedAdamS, scape: SCAPE (sparse), local-adams: LocalAdamS (local "
+        "steps, parameters averaged a window at a time), topk-adams: TopKAdamS (top-k + error feedback), "
         "allreduce-adamw: bucket all-reduce + torch AdamW",
     )
-    p.add_argument("--density", type=float, default=d.density, help="SCAPE: fraction synchronized per sparse step")
+    p.add_argument(
+        "--density", type=float, default=d.density, help="sparse optimizers: fraction of the dense bytes per step"
+    )
     add_scape_options(p, d)
     p.add_argument("--grad-clip", type=float, default=d.grad_clip, help="global gradient-norm clip (0: off)")
     add_model_options(p, d)

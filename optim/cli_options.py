@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from optim.local import LOCAL_SCHEDULES
 from optim.scape import MASK_SCORES, UNSELECTED_POLICIES
+from optim.tasks import ARCHS, CORPORA, TASKS
 from optim.train import TrainConfig
 
 __all__ = ["add_model_options", "add_scape_options", "model_settings", "scape_settings"]
@@ -32,11 +34,22 @@ def add_model_options(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     p.add_argument("--eval-interval", type=int, default=d.eval_interval, help="steps between validation passes")
     p.add_argument("--eval-batches", type=int, default=d.eval_batches, help="validation batches per rank per pass")
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads per rank")
+    p.add_argument("--task", choices=TASKS, default=d.task, help="byte-level LM (text) or MLP on sklearn digits")
+    p.add_argument("--corpus", choices=CORPORA, default=d.corpus, help="text task: corpus when no --data is given")
+    p.add_argument("--arch", choices=ARCHS, default=d.arch, help="text task: transformer family")
 
 
 def add_scape_options(p: argparse.ArgumentParser, d: TrainConfig) -> None:
-    """SCAPE's knobs (defaults from ``d``)."""
-    p.add_argument("--warmup-steps", type=int, default=d.sparse_warmup_steps, help="SCAPE: dense steps first")
+    """The sparse optimizers' knobs (defaults from ``d``)."""
+    p.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=d.sparse_warmup_steps,
+        help="SCAPE, LocalAdamS, TopKAdamS: dense steps first",
+    )
+    p.add_argument(
+        "--local-schedule", choices=LOCAL_SCHEDULES, default=d.local_schedule, help="LocalAdamS: how to average"
+    )
     p.add_argument("--mask-delay", type=int, default=d.mask_delay, help="SCAPE: mask delay D")
     p.add_argument("--unselected", choices=UNSELECTED_POLICIES, default=d.unselected, help="SCAPE: unselected policy")
     p.add_argument("--error-feedback", action="store_true", help="SCAPE: keep the unsent gradient as a residual")
@@ -60,6 +73,9 @@ def model_settings(args: argparse.Namespace) -> dict[str, Any]:
         "eval_interval": args.eval_interval,
         "eval_batches": args.eval_batches,
         "threads": args.threads,
+        "task": args.task,
+        "corpus": args.corpus,
+        "arch": args.arch,
     }
 
 
@@ -67,6 +83,7 @@ def scape_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The :class:`TrainConfig` fields set by :func:`add_scape_options`."""
     return {
         "sparse_warmup_steps": args.warmup_steps,
+        "local_schedule": args.local_schedule,
         "mask_delay": args.mask_delay,
         "unselected": args.unselected,
         "error_feedback": args.error_feedback,

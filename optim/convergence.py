@@ -22,10 +22,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from optim.train import TrainConfig, launch_local, wire_bytes_summary
+from optim.train import SPARSE_OPTIMIZERS, TrainConfig, launch_local, wire_bytes_summary
 
 __all__ = [
     "DEFAULT_DENSITIES",
+    "METHODS",
     "TARGETS",
     "convergence_variants",
     "largest_loss_rise",
@@ -42,13 +43,31 @@ TARGETS = {0.1: 1.02, 0.01: 1.05}
 OnRun = Callable[[dict[str, Any]], None]
 
 
-def convergence_variants(densities: Sequence[float]) -> list[tuple[str, dict[str, Any]]]:
-    """Return ``(name, TrainConfig overrides)`` of every run: AdamW, AdamS, then SCAPE per density."""
+METHODS = ("scape", "local", "periodic", "topk")
+"""Sparse methods a convergence run can compare, each at every density: SCAPE, LocalAdamS
+(staggered window), LocalAdamS (periodic dense averaging) and TopKAdamS (top-k + error feedback)."""
+
+_METHOD_OVERRIDES: dict[str, dict[str, Any]] = {
+    "scape": {"optimizer": "scape"},
+    "local": {"optimizer": "local-adams", "local_schedule": "staggered"},
+    "periodic": {"optimizer": "local-adams", "local_schedule": "periodic"},
+    "topk": {"optimizer": "topk-adams"},
+}
+
+
+def convergence_variants(
+    densities: Sequence[float], methods: Sequence[str] = ("scape",)
+) -> list[tuple[str, dict[str, Any]]]:
+    """Return ``(name, TrainConfig overrides)`` of every run: AdamW, AdamS, then each method per density."""
     out: list[tuple[str, dict[str, Any]]] = [("adamw", {"optimizer": "adamw"}), ("adams", {"optimizer": "adams"})]
+    for m in methods:
+        if m not in _METHOD_OVERRIDES:
+            raise ValueError(f"method must be one of {METHODS}, got {m!r}")
     for d in densities:
         if not 0.0 < d <= 1.0:
             raise ValueError(f"density must be in (0, 1], got {d}")
-        out.append((f"scape@{d:g}", {"optimizer": "scape", "density": float(d)}))
+        for m in methods:
+            out.append((f"{m}@{d:g}", {**_METHOD_OVERRIDES[m], "density": float(d)}))
     return out
 
 
@@ -74,7 +93,7 @@ def summarize_run(name: str, config: TrainConfig, result: dict[str, Any]) -> dic
     """Reduce rank 0's :func:`~optim.train.train_worker` result to the benchmark's record."""
     steps = result["steps"]
     warm = config.warmup_steps
-    if config.optimizer == "scape":
+    if config.optimizer in SPARSE_OPTIMIZERS:
         warm = max(warm, config.sparse_warmup_steps)
     rise, rise_step = largest_loss_rise([s["train_loss"] for s in steps], warm)
     wire = wire_bytes_summary(steps, result["bucket_bytes"])
@@ -82,7 +101,7 @@ def summarize_run(name: str, config: TrainConfig, result: dict[str, Any]) -> dic
     return {
         "name": name,
         "optimizer": result["optimizer"],
-        "density": config.density if config.optimizer == "scape" else 1.0,
+        "density": config.density if config.optimizer in SPARSE_OPTIMIZERS else 1.0,
         "config": dataclasses.asdict(config),
         "num_parameters": result["num_parameters"],
         "train_loss": [s["train_loss"] for s in steps],
@@ -107,13 +126,15 @@ def run_convergence(
     base: TrainConfig,
     densities: Sequence[float] = DEFAULT_DENSITIES,
     *,
+    methods: Sequence[str] = ("scape",),
     on_run: OnRun | None = None,
 ) -> dict[str, Any]:
     """Train ``base`` with every variant of :func:`convergence_variants`; return the benchmark record.
 
     Args:
         base: The run (its ``optimizer`` and ``density`` are overridden per variant).
-        densities: SCAPE densities.
+        densities: Densities of the sparse methods.
+        methods: Sparse methods (:data:`METHODS`), each run at every density.
         on_run: Called with each run's record when it finishes.
 
     Returns:
@@ -127,7 +148,7 @@ def run_convergence(
     """
     t_all = time.perf_counter()
     runs: list[dict[str, Any]] = []
-    for name, overrides in convergence_variants(densities):
+    for name, overrides in convergence_variants(densities, methods):
         config = dataclasses.replace(base, **overrides)
         t0 = time.perf_counter()
         result = launch_local(config)
@@ -141,7 +162,7 @@ def run_convergence(
         r["ratio_to_adams"] = r["final_val_loss"] / ref
     targets = {}
     for r in runs:
-        if r["optimizer"]["name"] == "scape" and r["density"] in TARGETS:
+        if r["optimizer"]["name"] in SPARSE_OPTIMIZERS and r["density"] in TARGETS:
             limit = TARGETS[r["density"]]
             targets[r["name"]] = {"max_ratio": limit, "ratio": r["ratio_to_adams"], "met": r["ratio_to_adams"] <= limit}
     return {

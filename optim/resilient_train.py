@@ -50,9 +50,8 @@ import torch
 import sparsecomm.distributed as dist
 from bindings.errors import CommError, PeerFailureError
 from bindings.store import open_store
-from optim.data import load_corpus, sample_batch
-from optim.model import GPT
 from optim.snapshot import Replicator, SnapshotRing, UnrecoverableStateError, decode_tree
+from optim.tasks import make_task
 from optim.train import TrainConfig, _evaluate, build_optimizer, lr_at
 from resilient_comm import FaultAwareCommunicator, Reconfiguration
 from resilient_comm.keys import COMMITTED
@@ -152,14 +151,9 @@ class _Worker:
             timeout=timedelta(seconds=config.comm_timeout_s), side_channel=res.snapshot
         )
         dist.init_process_group(communicator=self.comm)
-        self.corpus = load_corpus(
-            config.data,
-            val_fraction=config.val_fraction,
-            max_bytes=config.max_corpus_bytes,
-            min_bytes=config.context + 2,
-        )
+        self.task = make_task(config.task_spec())
         torch.manual_seed(config.seed)
-        self.model = GPT(config.model_config())
+        self.model = self.task.build_model()
         self.init_state = {k: v.clone() for k, v in self.model.state_dict().items()}
         self.init_rng = torch.get_rng_state()
         self.optimizer: Any = None
@@ -320,7 +314,7 @@ class _Worker:
         if restore_step > 0 and (
             restore_step == cfg.steps or (cfg.eval_interval and restore_step % cfg.eval_interval == 0)
         ):
-            self.evals[restore_step] = _evaluate(self.model, self.corpus, cfg, comm.rank)
+            self.evals[restore_step] = _evaluate(self.model, self.optimizer, self.task, cfg, comm.rank)
         dt = time.time() - t0
         last = max(self.losses) if self.losses else 0
         recomputed = max(0, last - restore_step) if restore_step >= 0 else last
@@ -488,9 +482,7 @@ class _Worker:
         lr = lr_at(cfg, step)
         for group in opt.param_groups:
             group["lr"] = lr
-        x, y = sample_batch(
-            self.corpus.train, batch_size=cfg.batch, context=cfg.context, seed=cfg.seed, step=step, rank=comm.rank
-        )
+        x, y = self.task.train_batch(step, comm.rank)
         opt.zero_grad(set_to_none=True)
         _, loss = model(x, y)
         assert loss is not None
@@ -509,7 +501,7 @@ class _Worker:
             self._snapshot(step)
         self.losses[step] = train_loss
         if step == cfg.steps or (cfg.eval_interval and step % cfg.eval_interval == 0):
-            self.evals[step] = _evaluate(model, self.corpus, cfg, comm.rank)
+            self.evals[step] = _evaluate(model, self.optimizer, self.task, cfg, comm.rank)
         self.log(
             "committed", step=step, epoch=comm.epoch, loss=train_loss, step_s=time.perf_counter() - t0, snapshot=snap
         )

@@ -36,7 +36,7 @@ from torch.optim import Optimizer
 import sparsecomm.distributed as dist
 from bindings import ReduceOp
 from optim.adams import _validate_group, adams_step_
-from optim.buckets import FlatBucket
+from optim.buckets import FlatBucket, Segment
 from optim.param_watch import ParamWatch
 
 __all__ = ["ShardedAdamS", "ShardedAdamW"]
@@ -218,23 +218,41 @@ class _ShardedOptimizer(Optimizer):
         comm.all_gather(self._flat, self._master)
         b.write_params(self._flat)
 
-    def _clip(self, g: Tensor) -> None:
-        """Scale the synchronized grad values by min(1, c / global norm) (one scalar all_reduce)."""
+    def _clip(self, g: Tensor, *, sharded: bool = True) -> None:
+        """Scale the grad values by min(1, c / norm).
+
+        ``sharded``: ``g`` is this rank's shard of the synchronized gradient and
+        the global norm takes one scalar all_reduce; otherwise ``g`` is a whole
+        gradient and its own norm is used (no communication).
+        """
         if self.max_grad_norm <= 0.0:
             return
         # float64 accumulation without a float64 copy of g (7x faster than g.double().square().sum())
         sq = torch.linalg.vector_norm(g, dtype=torch.float64).square().reshape(1)
-        with self._comm.stats.scope("grad_clip"):
-            self._comm.all_reduce(sq, ReduceOp.SUM)
+        if sharded:
+            with self._comm.stats.scope("grad_clip"):
+                self._comm.all_reduce(sq, ReduceOp.SUM)
         norm = math.sqrt(float(sq))
         self.last_grad_norm = norm
         coef = self.max_grad_norm / (norm + 1e-6)
         if coef < 1.0:
             g.mul_(coef)
 
-    def _update(self, w: Tensor, state: dict[str, Tensor], g: Tensor, step: int, idx: Tensor | None) -> None:
-        """Run the update on every segment; ``idx`` (sorted shard positions) for gathered vectors."""
-        segs = self._bucket.segments
+    def _update(
+        self,
+        w: Tensor,
+        state: dict[str, Tensor],
+        g: Tensor,
+        step: int,
+        idx: Tensor | None,
+        segments: list[Segment] | None = None,
+    ) -> None:
+        """Run the update on every segment; ``idx`` (sorted shard positions) for gathered vectors.
+
+        ``segments`` defaults to this rank's shard; replicated-state optimizers
+        pass the bucket's ``full_segments`` with whole flat buffers.
+        """
+        segs = self._bucket.segments if segments is None else segments
         if idx is None:
             ranges = [(s.lo, s.hi) for s in segs]
         else:

@@ -42,13 +42,16 @@ import torch
 import sparsecomm.distributed as dist
 from bindings.launch import detect_launch
 from bindings.spawn import run_local
-from optim.data import DEFAULT_MAX_BYTES, VOCAB_SIZE, Corpus, load_corpus, sample_batch
-from optim.model import GPT, GPTConfig
+from optim.data import DEFAULT_MAX_BYTES, VOCAB_SIZE
+from optim.local import LOCAL_SCHEDULES, LocalAdamS, TopKAdamS
+from optim.model import GPTConfig
 from optim.scape import MASK_SCORES, SCAPE, UNSELECTED_POLICIES
 from optim.sharded import ShardedAdamS, ShardedAdamW
+from optim.tasks import Task, TaskSpec, make_task
 
 __all__ = [
     "OPTIMIZERS",
+    "SPARSE_OPTIMIZERS",
     "TrainConfig",
     "OnStep",
     "Worker",
@@ -62,9 +65,12 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-OPTIMIZERS = ("adamw", "adams", "scape", "allreduce-adamw")
-"""Choices of ``TrainConfig.optimizer``: ShardedAdamW, ShardedAdamS, SCAPE, and the
-original bucket all-reduce + :class:`torch.optim.AdamW`."""
+OPTIMIZERS = ("adamw", "adams", "scape", "local-adams", "topk-adams", "allreduce-adamw")
+"""Choices of ``TrainConfig.optimizer``: ShardedAdamW, ShardedAdamS, SCAPE, LocalAdamS,
+TopKAdamS, and the original bucket all-reduce + :class:`torch.optim.AdamW`."""
+
+SPARSE_OPTIMIZERS = ("scape", "local-adams", "topk-adams")
+"""The choices that take ``density`` and ``sparse_warmup_steps``."""
 
 OnStep = Callable[[dict[str, Any]], None]
 """Per-step callback; receives the step record (plus ``val_loss`` on evaluation steps)."""
@@ -87,9 +93,10 @@ class TrainConfig:
     optimizer: str = "adamw"  # One of OPTIMIZERS.
     betas: tuple[float, float] = (0.9, 0.95)  # Adam / AdamS betas.
     eps: float = 1e-8  # Adam / AdamS epsilon.
-    density: float = 0.01  # SCAPE: fraction of coordinates synchronized per sparse step.
+    density: float = 0.01  # SCAPE, LocalAdamS, TopKAdamS: fraction of the dense bytes per step.
     mask_delay: int = 1  # SCAPE: mask made after step t is used at step t + 1 + mask_delay.
-    sparse_warmup_steps: int = 10  # SCAPE: dense steps before sparsity starts.
+    sparse_warmup_steps: int = 10  # SCAPE, LocalAdamS, TopKAdamS: dense steps before sparsity starts.
+    local_schedule: str = "staggered"  # LocalAdamS: staggered | periodic averaging.
     unselected: str = "decay_m"  # SCAPE: policy of unselected coordinates (freeze | decay_m).
     error_feedback: bool = False  # SCAPE: keep the unsent gradient as a local residual.
     refresh_every: int = 0  # SCAPE: every this many steps a dense step (0: never).
@@ -101,6 +108,9 @@ class TrainConfig:
     n_layers: int = 2  # Transformer blocks.
     n_heads: int = 4  # Attention heads.
     seed: int = 0  # Seed of the initialisation and of the data order.
+    task: str = "text"  # ``text`` (byte LM) or ``digits`` (MLP on scikit-learn's digits).
+    corpus: str = "stdlib"  # Text task without ``data``: stdlib | pydoc | synthetic.
+    arch: str = "gpt"  # Text task model family: gpt | encoder.
     out: str = "runs/train"  # Output directory of ``report.json`` and ``report.png``.
     data: str | None = None  # Text file to train on; ``None`` for the standard-library corpus.
     max_corpus_bytes: int = DEFAULT_MAX_BYTES  # Size cap of the standard-library corpus.
@@ -126,6 +136,8 @@ class TrainConfig:
         for name in ("mask_delay", "sparse_warmup_steps", "refresh_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.local_schedule not in LOCAL_SCHEDULES:
+            raise ValueError(f"local_schedule must be one of {LOCAL_SCHEDULES}, got {self.local_schedule!r}")
         if self.unselected not in UNSELECTED_POLICIES:
             raise ValueError(f"unselected must be one of {UNSELECTED_POLICIES}, got {self.unselected!r}")
         if self.mask_score not in MASK_SCORES:
@@ -142,7 +154,24 @@ class TrainConfig:
             raise ValueError(f"bad learning rate lr={self.lr} min_lr_ratio={self.min_lr_ratio}")
         if self.comm_timeout_s <= 0 or self.job_timeout_s <= 0:
             raise ValueError("timeouts must be positive")
-        self.model_config()  # validates the model shape
+        self.task_spec()  # validates the task and the model shape
+
+    def task_spec(self) -> TaskSpec:
+        """Return the task fields of this run."""
+        return TaskSpec(
+            task=self.task,
+            corpus=self.corpus,
+            arch=self.arch,
+            data=self.data,
+            max_corpus_bytes=self.max_corpus_bytes,
+            val_fraction=self.val_fraction,
+            batch=self.batch,
+            context=self.context,
+            d_model=self.d_model,
+            n_layers=self.n_layers,
+            n_heads=self.n_heads,
+            seed=self.seed,
+        )
 
     def model_config(self) -> GPTConfig:
         """Return the model shape of this run."""
@@ -164,11 +193,20 @@ class TrainConfig:
         }
         if self.optimizer == "allreduce-adamw":
             return {"name": self.optimizer, "class": "torch.optim.AdamW", "grad_clip": self.grad_clip, **common}
-        cls = {"adamw": ShardedAdamW, "adams": ShardedAdamS, "scape": SCAPE}[self.optimizer]
+        cls = _CLASSES[self.optimizer]
         out = {"name": self.optimizer, "class": f"optim.{cls.__name__}", **common, "max_grad_norm": self.grad_clip}
-        if self.optimizer == "scape":
-            out.update(self.scape_kwargs())
+        out.update(self.sparse_kwargs())
         return out
+
+    def sparse_kwargs(self) -> dict[str, Any]:
+        """The constructor arguments of the sparse choices beyond the dense ones (``{}`` for dense ones)."""
+        if self.optimizer == "scape":
+            return self.scape_kwargs()
+        if self.optimizer == "local-adams":
+            return {"density": self.density, "schedule": self.local_schedule, "warmup_steps": self.sparse_warmup_steps}
+        if self.optimizer == "topk-adams":
+            return {"density": self.density, "warmup_steps": self.sparse_warmup_steps}
+        return {}
 
     def scape_kwargs(self) -> dict[str, Any]:
         """The SCAPE-only constructor arguments of this config."""
@@ -206,11 +244,17 @@ def build_optimizer(config: TrainConfig, model: torch.nn.Module) -> torch.optim.
         "weight_decay": config.weight_decay,
         "max_grad_norm": config.grad_clip,
     }
-    if config.optimizer == "adamw":
-        return ShardedAdamW(params, **kw)
-    if config.optimizer == "adams":
-        return ShardedAdamS(params, **kw)
-    return SCAPE(params, **kw, **config.scape_kwargs())
+    opt: torch.optim.Optimizer = _CLASSES[config.optimizer](params, **kw, **config.sparse_kwargs())
+    return opt
+
+
+_CLASSES: dict[str, type[torch.optim.Optimizer]] = {
+    "adamw": ShardedAdamW,
+    "adams": ShardedAdamS,
+    "scape": SCAPE,
+    "local-adams": LocalAdamS,
+    "topk-adams": TopKAdamS,
+}
 
 
 def _op_delta(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
@@ -234,7 +278,7 @@ def lr_at(config: TrainConfig, step: int) -> float:
     return floor + 0.5 * (config.lr - floor) * (1.0 + math.cos(math.pi * progress))
 
 
-def _check_identical_init(model: GPT) -> None:
+def _check_identical_init(model: torch.nn.Module) -> None:
     """Raise on every rank unless all ranks hold rank 0's parameters bit for bit."""
     with torch.no_grad():
         mine = torch.nn.utils.parameters_to_vector(model.parameters())
@@ -247,21 +291,26 @@ def _check_identical_init(model: GPT) -> None:
         raise RuntimeError("model initialisation differs between ranks")
 
 
-def _evaluate(model: GPT, corpus: Corpus, config: TrainConfig, rank: int) -> float:
-    """Return the rank-averaged loss on this rank's fixed validation batches."""
+def _evaluate(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, task: Task, config: TrainConfig, rank: int
+) -> float:
+    """Return the rank-averaged loss on this rank's fixed validation batches.
+
+    Collective. Under :class:`LocalAdamS` the average of the replicas is
+    evaluated (:meth:`LocalAdamS.averaged`, counted under ``average``).
+    """
+    if isinstance(optimizer, LocalAdamS):
+        with optimizer.averaged():
+            return _evaluate_here(model, task, config, rank)
+    return _evaluate_here(model, task, config, rank)
+
+
+def _evaluate_here(model: torch.nn.Module, task: Task, config: TrainConfig, rank: int) -> float:
     model.eval()
     total = 0.0
     with torch.no_grad():
         for i in range(config.eval_batches):
-            x, y = sample_batch(
-                corpus.val,
-                batch_size=config.batch,
-                context=config.context,
-                seed=config.seed,
-                step=i,
-                rank=rank,
-                stream="val",
-            )
+            x, y = task.val_batch(i, rank)
             _, loss = model(x, y)
             assert loss is not None
             total += loss.item()
@@ -306,16 +355,10 @@ def train_worker(config: TrainConfig, rank: int, world_size: int, on_step: OnSte
             f"{dist.get_rank()}/{dist.get_world_size()}"
         )
     torch.set_num_threads(config.threads)
-    corpus = load_corpus(
-        config.data,
-        val_fraction=config.val_fraction,
-        max_bytes=config.max_corpus_bytes,
-        min_bytes=config.context + 2,
-    )
-    if corpus.val.numel() <= config.context:
-        raise ValueError(f"validation split of {corpus.val.numel()} bytes is below the context")
+    task = make_task(config.task_spec())
+    about = task.describe()
     torch.manual_seed(config.seed)
-    model = GPT(config.model_config())
+    model = task.build_model()
     _check_identical_init(model)
     params = [p for p in model.parameters() if p.requires_grad]
     numel = sum(p.numel() for p in params)
@@ -327,8 +370,8 @@ def train_worker(config: TrainConfig, rank: int, world_size: int, on_step: OnSte
     bucket = torch.zeros(0 if sharded else numel + 1, dtype=torch.float32)  # grads, then the loss
     loss_buf = torch.zeros(1, dtype=torch.float32)
     records: list[dict[str, Any]] = []
-    evals = [{"step": 0, "val_loss": _evaluate(model, corpus, config, rank)}]
-    logger.info("rank %d: %d parameters, %s, optimizer %s", rank, numel, corpus.name, config.optimizer)
+    evals = [{"step": 0, "val_loss": _evaluate(model, optimizer, task, config, rank)}]
+    logger.info("rank %d: %d parameters, %s, optimizer %s", rank, numel, about["corpus"]["name"], config.optimizer)
     t_train = time.perf_counter()
     try:
         for step in range(1, config.steps + 1):
@@ -337,14 +380,7 @@ def train_worker(config: TrainConfig, rank: int, world_size: int, on_step: OnSte
             lr = lr_at(config, step)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            x, y = sample_batch(
-                corpus.train,
-                batch_size=config.batch,
-                context=config.context,
-                seed=config.seed,
-                step=step,
-                rank=rank,
-            )
+            x, y = task.train_batch(step, rank)
             optimizer.zero_grad(set_to_none=True)
             _, loss = model(x, y)
             assert loss is not None
@@ -377,10 +413,12 @@ def train_worker(config: TrainConfig, rank: int, world_size: int, on_step: OnSte
             }
             if isinstance(optimizer, SCAPE):
                 record["sparse"] = optimizer.last_mask is not None
+            elif isinstance(optimizer, (LocalAdamS, TopKAdamS)):
+                record["sparse"] = step > optimizer.warmup_steps
             records.append(record)
             event = dict(record)
             if step == config.steps or (config.eval_interval and step % config.eval_interval == 0):
-                evals.append({"step": step, "val_loss": _evaluate(model, corpus, config, rank)})
+                evals.append({"step": step, "val_loss": _evaluate(model, optimizer, task, config, rank)})
                 event["val_loss"] = evals[-1]["val_loss"]
             if on_step is not None:
                 on_step(event)
@@ -395,11 +433,12 @@ def train_worker(config: TrainConfig, rank: int, world_size: int, on_step: OnSte
     return {
         "steps": records,
         "evals": evals,
-        "model": config.model_config().as_dict(),
+        "model": about["model"],
+        "task": {"task": about["task"], "arch": about["arch"]},
         "num_parameters": numel,
         "optimizer": config.optimizer_config(),
         "bucket_bytes": bucket_bytes,
-        "corpus": corpus.describe(),
+        "corpus": about["corpus"],
         "comm_stats": stats.as_dict(),
         "train_time_s": train_time,
     }

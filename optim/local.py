@@ -1,0 +1,399 @@
+"""AdamS with a full replicated state on every rank: local steps (LocalAdamS) and top-k with error feedback.
+
+SCAPE (:mod:`optim.scape`) moves a coordinate only at the steps whose mask
+selects it; at density d a coordinate moves about d times as far as under
+dense AdamS, and the loss gap grows with training (``benchmarks/README.md``,
+"Convergence suite"). The optimizers here keep every coordinate moving:
+
+:class:`LocalAdamS` (the method to pick under a byte budget)
+    Every rank runs AdamS on its own gradient over the whole model, with its
+    own full first moment. After each step the ranks average part of the
+    parameters:
+
+    * ``schedule="staggered"`` (default): a window of ``k = ceil(d * shard_size)``
+      positions of every shard, moving by ``k`` every step, is averaged with one
+      :func:`sparsecomm.collectives.sparse_all_reduce` (a sparse reduce-scatter
+      plus a sparse all-gather: SCAPE's value bytes, and no mask bytes at all,
+      because the window is a pure function of the step). Every coordinate is
+      averaged once every ``ceil(shard_size / k)`` steps, and the traffic is the
+      same at every step;
+    * ``schedule="periodic"``: every ``round(1 / d)`` steps, one dense all-reduce
+      of the parameters (local SGD / DiLoCo-style averaging, outer step 1).
+
+    The first ``warmup_steps`` steps average the gradients instead (one dense
+    all-reduce each), so every rank starts the local phase from the same,
+    well-conditioned state. Between averages the replicas differ: evaluate or
+    save the model inside :meth:`LocalAdamS.averaged`, or call
+    :meth:`LocalAdamS.average_params` once training is over.
+
+:class:`TopKAdamS` (the classic baseline of the convergence suite)
+    Every rank adds its gradient to a local residual, sends its ``k`` largest
+    entries with their int32 indices (one all-gather of values, one of
+    indices), keeps the rest, and all ranks apply the same AdamS step to the
+    average of everyone's entries. The replicas stay identical.
+
+Memory: a full fp32 first moment on every rank (plus the residual for
+:class:`TopKAdamS`), instead of SCAPE's ``1/world_size`` share. The parameter
+layout, gradient gathering and parameter following are those of
+:class:`optim.sharded.ShardedAdamS` (one flat fp32 buffer that the parameters
+view). Snapshots and state dicts hold this rank's whole replica (parameters,
+first moment, residual); restoring one needs no communication.
+
+Wire bytes (stats scopes): ``all_reduce`` (warm-up gradients, periodic
+averages), ``sparse_all_reduce`` ops of the staggered window, ``topk`` (values
+and indices), and ``average`` for :meth:`LocalAdamS.averaged` /
+:meth:`LocalAdamS.average_params`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from bindings import ReduceOp
+from optim.sharded import ShardedAdamS
+from sparsecomm.collectives import sparse_all_reduce
+from sparsecomm.mask import ShardedMask, k_for
+
+__all__ = ["LOCAL_SCHEDULES", "LocalAdamS", "TopKAdamS"]
+
+logger = logging.getLogger(__name__)
+
+LOCAL_SCHEDULES = ("staggered", "periodic")
+
+
+def _check_density(density: object) -> float:
+    if isinstance(density, bool) or not isinstance(density, (int, float)):
+        raise ValueError(f"Invalid density: {density!r} (must be a float in (0, 1])")
+    if not 0.0 < float(density) <= 1.0:
+        raise ValueError(f"Invalid density: {density!r} (must be in (0, 1])")
+    return float(density)
+
+
+def _check_steps(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"Invalid {name}: {value!r} (must be an int >= 0)")
+    return value
+
+
+class _ReplicatedAdamS(ShardedAdamS):
+    """AdamS over the whole flat buffer on every rank; subclasses choose the gradient and the averaging.
+
+    The base's master shard is kept equal to this rank's slice of its replica
+    after every step, so the parameter checks of :class:`ShardedAdamS` (values
+    written from outside are taken) work unchanged; the sharded state is empty
+    and the full first moment lives in ``_m``.
+    """
+
+    _state_names = ()
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+        density: float,
+        warmup_steps: int,
+        max_grad_norm: float,
+        bias_correction: bool,
+        group: Any,
+        *,
+        wd_min_ndim: int,
+        config: str,
+    ) -> None:
+        self.density = _check_density(density)
+        self.warmup_steps = _check_steps("warmup_steps", warmup_steps)
+        super().__init__(
+            params,
+            lr,
+            betas,
+            eps,
+            weight_decay,
+            bias_correction,
+            max_grad_norm,
+            group,
+            wd_min_ndim=wd_min_ndim,
+            _config=f"{self.density!r}|{warmup_steps}|{config}",
+        )
+        b = self._bucket
+        self._m = b.new_flat()
+        self.k = k_for(b.numel, b.world_size, self.density)
+        """Positions per shard averaged (staggered) or sent per rank (top-k) at each step."""
+
+    # ------------------------------------------------------------------ step
+    def _run(self, t: int) -> None:
+        b, g = self._bucket, self._grad
+        if t < self.warmup_steps:
+            self._comm.all_reduce(g, ReduceOp.AVG)
+        else:
+            g = self._sparse_grad(t, g)
+        self._clip(g, sharded=False)
+        self._update(self._flat, {"exp_avg": self._m}, g, t + 1, None, segments=b.full_segments)
+        if t >= self.warmup_steps:
+            self._average(t)
+        b.write_params(self._flat)
+        self._master.copy_(b.own_slice(self._flat))
+
+    def _sparse_grad(self, t: int, g: Tensor) -> Tensor:
+        """The gradient of a step after the warm-up (``g``: this rank's own)."""
+        return g
+
+    def _average(self, t: int) -> None:
+        """Average (part of) the replicas after the update of step ``t``."""
+
+    @torch.no_grad()
+    def _sync_params(self) -> None:
+        """Take values written into the parameters from outside into the replica (local, no communication)."""
+        b = self._bucket
+        self._follow_params()
+        if self._master_wins:
+            self._master_wins = False
+            return
+        changed = 0
+        for p, off in zip(b.params, b.offsets, strict=True):
+            mine = self._flat[off : off + p.numel()]
+            cur = p.detach().reshape(-1)
+            if cur.data_ptr() == mine.data_ptr():
+                continue  # the parameter views the replica: nothing to take
+            ref = mine if p.dtype == torch.float32 else mine.to(p.dtype)
+            if not torch.equal(cur, ref):
+                diff = (cur != ref) & ~(cur.isnan() & ref.isnan())
+                mine.copy_(torch.where(diff, cur.float(), mine))
+                changed += int(diff.sum())
+        if changed:
+            logger.info(
+                "%s: %d parameter values were written outside the optimizer; taken", type(self).__name__, changed
+            )
+        self._master.copy_(b.own_slice(self._flat))
+
+    # ------------------------------------------------------------------ state
+    def _full_state(self) -> dict[str, Tensor]:
+        return {"params": self._flat, "exp_avg": self._m}
+
+    def _check_shard(self, what: str, sh: dict[str, Any]) -> None:
+        super()._check_shard(what, sh)
+        extra = sh.get("extra") or {}
+        for name, mine in self._full_state().items():
+            src = extra.get(name)
+            if not isinstance(src, Tensor) or src.shape != mine.shape or src.dtype != mine.dtype:
+                got = None if not isinstance(src, Tensor) else (tuple(src.shape), src.dtype)
+                raise ValueError(f"{what}: {name} should be {tuple(mine.shape)} {mine.dtype}, got {got}")
+
+    def _copy_full(self, extra: dict[str, Any]) -> None:
+        for name, mine in self._full_state().items():
+            mine.copy_(extra[name])
+        self._bucket.write_params(self._flat)
+        self._master.copy_(self._bucket.own_slice(self._flat))
+        self._master_wins = False  # the replica was loaded into the parameters themselves
+
+    def _snapshot_extra(self) -> dict[str, Any]:
+        return dict(self._full_state())
+
+    def _restore_extra(self, extra: dict[str, Any]) -> None:
+        self._copy_full(extra)
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {n: t.clone() for n, t in self._full_state().items()}
+
+    def _load_extra(self, extra: dict[str, Any]) -> None:
+        self._copy_full(extra)
+
+    @torch.no_grad()
+    def resync_params(self) -> None:
+        """Write this rank's replica into the parameters (local; kept collective-shaped for callers).
+
+        Collective: every rank must call this (it issues no communication today,
+        but callers treat it like the sharded optimizers' resync).
+        """
+        self._follow_params()
+        self._bucket.write_params(self._flat)
+        self._master.copy_(self._bucket.own_slice(self._flat))
+        self._master_wins = False
+
+
+class LocalAdamS(_ReplicatedAdamS):
+    """Local AdamS steps on every rank; the parameters are averaged a window at a time.
+
+    See the module docstring for the algorithm. Arguments as
+    :class:`optim.ShardedAdamS`, plus:
+
+    Args:
+        density: Fraction of each shard averaged per step (``staggered``), or
+            one dense average every ``round(1 / density)`` steps (``periodic``).
+            Either way the wire carries about ``density`` times the value bytes
+            of dense ShardedAdamS.
+        schedule: ``"staggered"`` (default) or ``"periodic"``.
+        warmup_steps: Steps that average the gradients (dense) before the local
+            phase starts.
+
+    Raises:
+        ValueError: Bad arguments (before any communication, the same on every rank).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        density: float = 0.1,
+        schedule: str = "staggered",
+        warmup_steps: int = 10,
+        max_grad_norm: float = 0.0,
+        bias_correction: bool = True,
+        group: Any = None,
+        *,
+        wd_min_ndim: int = 2,
+    ) -> None:
+        if schedule not in LOCAL_SCHEDULES:
+            raise ValueError(f"Invalid schedule: {schedule!r} (must be one of {LOCAL_SCHEDULES})")
+        self.schedule = schedule
+        self.period = max(1, round(1.0 / _check_density(density)))
+        """Steps between two dense averages (``periodic``)."""
+        super().__init__(
+            params,
+            lr,
+            betas,
+            eps,
+            weight_decay,
+            density,
+            warmup_steps,
+            max_grad_norm,
+            bias_correction,
+            group,
+            wd_min_ndim=wd_min_ndim,
+            config=f"LocalAdamS|{schedule}",
+        )
+
+    def window(self, t: int) -> ShardedMask:
+        """The positions averaged after step ``t`` (staggered): the same window in every shard."""
+        b = self._bucket
+        size, k = b.shard_size, self.k
+        lo = ((t - self.warmup_steps) * k) % size
+        pos = torch.arange(lo, lo + k, dtype=torch.int64) % size
+        pos = pos.sort().values
+        return ShardedMask(numel=b.numel, world_size=b.world_size, k=k, indices=pos.expand(b.world_size, k))
+
+    def is_average_step(self, t: int) -> bool:
+        """Whether (part of) the parameters are averaged after step ``t``."""
+        if t < self.warmup_steps:
+            return False
+        return self.schedule == "staggered" or (t + 1 - self.warmup_steps) % self.period == 0
+
+    def _average(self, t: int) -> None:
+        if not self.is_average_step(t):
+            return
+        if self.schedule == "periodic":
+            self._comm.all_reduce(self._flat, ReduceOp.AVG)
+        else:
+            n = self._bucket.numel
+            sparse_all_reduce(self._comm, self._flat[:n], self.window(t), "avg", verify_mask=False)
+
+    @torch.no_grad()
+    def average_params(self) -> None:
+        """Average every rank's replica into the parameters, for good (one dense all_reduce).
+
+        Collective: every rank must call this. Use it once training is over (or
+        before saving a model that must be the same on every rank); the local
+        first moments are kept.
+        """
+        self._follow_params()
+        with self._comm.stats.scope("average"):
+            self._comm.all_reduce(self._flat, ReduceOp.AVG)
+        self._bucket.write_params(self._flat)
+        self._master.copy_(self._bucket.own_slice(self._flat))
+
+    @contextlib.contextmanager
+    def averaged(self) -> Iterator[None]:
+        """Inside the block the parameters hold the average of the replicas; after it, this rank's own again.
+
+        Collective: every rank must enter it (one dense all_reduce). For
+        evaluation and checkpoints of the model the ranks train together.
+        Do not step the optimizer inside the block.
+        """
+        own = self._flat.clone()
+        self.average_params()
+        try:
+            yield
+        finally:
+            self._flat.copy_(own)
+            self._bucket.write_params(self._flat)
+            self._master.copy_(self._bucket.own_slice(self._flat))
+
+
+class TopKAdamS(_ReplicatedAdamS):
+    """AdamS on the average of every rank's top-k gradient entries, with error feedback (a baseline).
+
+    Arguments as :class:`LocalAdamS` without ``schedule``. ``density`` sets
+    ``k = ceil(density * shard_size)`` entries per rank per step, so values and
+    indices together put SCAPE's value bytes on the wire at the same density.
+
+    Raises:
+        ValueError: Bad arguments (before any communication, the same on every rank).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        density: float = 0.01,
+        warmup_steps: int = 10,
+        max_grad_norm: float = 0.0,
+        bias_correction: bool = True,
+        group: Any = None,
+        *,
+        wd_min_ndim: int = 2,
+    ) -> None:
+        super().__init__(
+            params,
+            lr,
+            betas,
+            eps,
+            weight_decay,
+            density,
+            warmup_steps,
+            max_grad_norm,
+            bias_correction,
+            group,
+            wd_min_ndim=wd_min_ndim,
+            config="TopKAdamS",
+        )
+        self._residual = self._bucket.new_flat()
+        self._sum = self._bucket.new_flat()
+
+    @property
+    def residual(self) -> Tensor:
+        """The gradient this rank has not sent yet (padded flat fp32)."""
+        return self._residual
+
+    def _sparse_grad(self, t: int, g: Tensor) -> Tensor:
+        b, comm, e = self._bucket, self._comm, self._residual
+        n, ws, k = b.numel, b.world_size, min(self.k, b.numel)
+        e.add_(g)
+        idx = torch.topk(e[:n].abs(), k, sorted=False).indices
+        vals = e[idx]
+        e[idx] = 0.0
+        all_vals = torch.empty(ws * k, dtype=vals.dtype, device=vals.device)
+        all_idx = torch.empty(ws * k, dtype=torch.int32, device=vals.device)
+        with comm.stats.scope("topk"):
+            comm.all_gather(all_vals, vals)
+            comm.all_gather(all_idx, idx.to(torch.int32))
+        out = self._sum
+        out.zero_()
+        out.index_add_(0, all_idx.long(), all_vals)
+        out.div_(ws)
+        return out
+
+    def _full_state(self) -> dict[str, Tensor]:
+        return {**super()._full_state(), "residual": self._residual}

@@ -1,0 +1,246 @@
+"""The convergence suite: every optimizer on settings that differ in data, model family and schedule.
+
+One setting alone can be fooled (defaults tuned on it, a schedule that hides a
+slow method); the suite runs :func:`optim.convergence.run_convergence` on each
+of :data:`SETTINGS` at each horizon (300 and 1,000 steps by default), with
+the same seeds and data order for every optimizer, and reduces the result to:
+
+* per setting and horizon, each run's validation loss, its ratio to dense
+  ShardedAdamS and to ShardedAdamW, its optimizer wire bytes per step (and
+  their ratio to dense AdamS's), and its largest training-loss rise after the
+  warm-up next to the largest rise of the dense runs;
+* per method and density, the worst ratio over the whole suite at each
+  horizon, and whether it meets :data:`optim.convergence.TARGETS`.
+
+A setting with a constant learning rate (no warm-up, ``min_lr_ratio`` 1) is
+trained once, to the longest horizon, and read at every horizon: its first
+300 steps are those of a 300-step run, bit for bit (same batches, same
+learning rate). A setting with a schedule is trained once per horizon.
+
+All data is offline and deterministic: three text corpora (the standard
+library's source, the interpreter's bundled documentation text, a synthetic
+language), scikit-learn's digits; two transformer families and an MLP.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from optim.convergence import METHODS, TARGETS, run_convergence
+from optim.train import TrainConfig
+
+__all__ = ["HORIZONS", "SETTINGS", "SUITE_BASE", "run_suite", "worst_case"]
+
+HORIZONS = (300, 1000)
+"""Steps at which every setting is judged."""
+
+SUITE_BASE: dict[str, Any] = {
+    "nproc": 4,
+    "batch": 8,
+    "context": 64,
+    "d_model": 64,
+    "n_layers": 2,
+    "n_heads": 4,
+    "eval_interval": 100,
+    "eval_batches": 8,
+    "max_corpus_bytes": 2_000_000,
+    "betas": (0.9, 0.95),
+}
+"""What every setting shares unless it says otherwise: 4 ranks, small models, batch 8 per rank."""
+
+_CONSTANT = {"warmup_steps": 0, "min_lr_ratio": 1.0}
+_COSINE = {"warmup_steps": 30, "min_lr_ratio": 0.1}
+
+SETTINGS: dict[str, dict[str, Any]] = {
+    "stdlib-encoder-const": {
+        "task": "text",
+        "corpus": "stdlib",
+        "arch": "encoder",
+        "d_model": 96,
+        "lr": 2e-3,
+        "weight_decay": 0.0,
+        "grad_clip": 0.0,
+        **_CONSTANT,
+    },
+    "pydoc-gpt-cosine": {
+        "task": "text",
+        "corpus": "pydoc",
+        "arch": "gpt",
+        "lr": 3e-3,
+        "weight_decay": 0.1,
+        "grad_clip": 1.0,
+        **_COSINE,
+    },
+    "synthetic-gpt-const-clip": {
+        "task": "text",
+        "corpus": "synthetic",
+        "arch": "gpt",
+        "lr": 2e-3,
+        "weight_decay": 0.0,
+        "grad_clip": 1.0,
+        **_CONSTANT,
+    },
+    "stdlib-gpt-cosine": {
+        "task": "text",
+        "corpus": "stdlib",
+        "arch": "gpt",
+        "lr": 3e-3,
+        "weight_decay": 0.1,
+        "grad_clip": 1.0,
+        **_COSINE,
+    },
+    "digits-mlp-const": {
+        "task": "digits",
+        "d_model": 128,
+        "n_layers": 2,
+        "batch": 16,
+        "lr": 1e-3,
+        "weight_decay": 0.0,
+        "grad_clip": 0.0,
+        **_CONSTANT,
+    },
+    "digits-mlp-cosine": {
+        "task": "digits",
+        "d_model": 128,
+        "n_layers": 2,
+        "batch": 16,
+        "lr": 3e-3,
+        "weight_decay": 0.1,
+        "grad_clip": 1.0,
+        **_COSINE,
+    },
+}
+"""The suite: name -> :class:`TrainConfig` fields over :data:`SUITE_BASE`."""
+
+OnRun = Callable[[str, int, dict[str, Any]], None]
+
+
+def _is_constant(config: TrainConfig) -> bool:
+    return config.warmup_steps == 0 and config.min_lr_ratio == 1.0
+
+
+def _val_at(run: dict[str, Any], step: int) -> float:
+    for e in run["evals"]:
+        if e["step"] == step:
+            return float(e["val_loss"])
+    raise ValueError(f"run {run['name']} has no evaluation at step {step}")
+
+
+def run_suite(
+    settings: Sequence[str] | None = None,
+    *,
+    horizons: Sequence[int] = HORIZONS,
+    densities: Sequence[float] = (0.1, 0.01),
+    methods: Sequence[str] = METHODS,
+    overrides: dict[str, Any] | None = None,
+    on_run: OnRun | None = None,
+) -> dict[str, Any]:
+    """Run the suite; return its record (see the module docstring).
+
+    Args:
+        settings: Names from :data:`SETTINGS` (default: all).
+        horizons: Steps at which to judge; each must be a multiple of the
+            evaluation interval (100).
+        densities: Densities of every sparse method.
+        methods: Sparse methods (:data:`optim.convergence.METHODS`).
+        overrides: TrainConfig fields applied on top of every setting (e.g. ``nproc``).
+        on_run: Called with ``(setting, steps, run record)`` when a run finishes.
+
+    Returns:
+        ``rows`` (one per setting, horizon and run), ``worst`` (:func:`worst_case`),
+        ``settings`` (the configs), ``horizons``, ``densities``, ``methods`` and ``wall_time_s``.
+
+    Raises:
+        ValueError: Unknown setting or a horizon the evaluations do not hit.
+        LocalRunError: A rank of a run failed.
+    """
+    names = list(SETTINGS) if settings is None else list(settings)
+    for n in names:
+        if n not in SETTINGS:
+            raise ValueError(f"unknown setting {n!r}; known: {', '.join(SETTINGS)}")
+    hs = sorted({int(h) for h in horizons})
+    if not hs or any(h < 1 for h in hs):
+        raise ValueError(f"horizons must be positive, got {list(horizons)}")
+    t_all = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    configs: dict[str, dict[str, Any]] = {}
+    for name in names:
+        fields = {**SUITE_BASE, **SETTINGS[name], **(overrides or {})}
+        probe = TrainConfig(**fields, steps=hs[-1])
+        if any(h % probe.eval_interval for h in hs):
+            raise ValueError(f"every horizon must be a multiple of eval_interval={probe.eval_interval}")
+        configs[name] = dataclasses.asdict(probe)
+        trained = [hs[-1]] if _is_constant(probe) else hs
+        for steps in trained:
+            base = dataclasses.replace(probe, steps=steps)
+            bench = run_convergence(base, densities, methods=methods, on_run=_tagged(on_run, name, steps))
+            judged = [h for h in hs if h <= steps] if steps == hs[-1] and _is_constant(probe) else [steps]
+            for h in judged:
+                rows.extend(_rows_at(name, h, steps, bench["runs"]))
+    return {
+        "rows": rows,
+        "worst": worst_case(rows),
+        "settings": configs,
+        "horizons": hs,
+        "densities": list(densities),
+        "methods": list(methods),
+        "targets": {str(d): r for d, r in TARGETS.items()},
+        "wall_time_s": time.perf_counter() - t_all,
+    }
+
+
+def _tagged(on_run: OnRun | None, setting: str, steps: int) -> Callable[[dict[str, Any]], None] | None:
+    if on_run is None:
+        return None
+    return lambda record: on_run(setting, steps, record)
+
+
+def _rows_at(setting: str, horizon: int, trained: int, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    by = {r["name"]: r for r in runs}
+    ref_s, ref_w = _val_at(by["adams"], horizon), _val_at(by["adamw"], horizon)
+    wire_ref = by["adams"]["optimizer_wire_bytes_per_step"]
+    dense_rise = max(by["adams"]["largest_loss_rise"], by["adamw"]["largest_loss_rise"])
+    out = []
+    for r in runs:
+        v = _val_at(r, horizon)
+        out.append(
+            {
+                "setting": setting,
+                "horizon": horizon,
+                "trained_steps": trained,
+                "name": r["name"],
+                "optimizer": r["optimizer"]["name"],
+                "density": r["density"],
+                "val_loss": v,
+                "ratio_to_adams": v / ref_s,
+                "ratio_to_adamw": v / ref_w,
+                "optimizer_wire_bytes_per_step": r["optimizer_wire_bytes_per_step"],
+                "wire_ratio_to_adams": r["optimizer_wire_bytes_per_step"] / wire_ref if wire_ref else None,
+                "largest_loss_rise": r["largest_loss_rise"],
+                "dense_largest_loss_rise": dense_rise,
+                "evals": r["evals"],
+            }
+        )
+    return out
+
+
+def worst_case(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per run name: the worst ratio to dense AdamS at each horizon, where it happened, and the target verdict.
+
+    The target (:data:`TARGETS` at the run's density) applies to every sparse
+    method; it is met when the worst ratio at every horizon is within it.
+    """
+    out: dict[str, Any] = {}
+    for r in rows:
+        w = out.setdefault(r["name"], {"density": r["density"], "by_horizon": {}})
+        h = w["by_horizon"].setdefault(str(r["horizon"]), {"ratio": 0.0, "setting": None})
+        if r["ratio_to_adams"] > h["ratio"]:
+            h["ratio"], h["setting"] = r["ratio_to_adams"], r["setting"]
+    for name, w in out.items():
+        limit = TARGETS.get(w["density"]) if "@" in name else None
+        w["max_ratio"] = limit
+        w["met"] = None if limit is None else all(h["ratio"] <= limit for h in w["by_horizon"].values())
+    return out

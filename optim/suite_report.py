@@ -1,0 +1,89 @@
+"""Tables and a plot of a convergence-suite record (:func:`optim.suite.run_suite`), for the CLI."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+__all__ = ["format_suite_table", "format_worst_table", "write_suite_plot"]
+
+
+def _order(names: list[str]) -> list[str]:
+    dense = [n for n in ("adamw", "adams") if n in names]
+    return dense + sorted((n for n in names if n not in dense), key=lambda n: (-float(n.split("@")[1]), n))
+
+
+def format_suite_table(suite: dict[str, Any]) -> str:
+    """One line per setting and horizon: each run's ratio of validation loss to dense AdamS's."""
+    names = _order(sorted({r["name"] for r in suite["rows"]}))
+    head = f"{'setting':>26} {'steps':>5} {'adams_val':>9} " + " ".join(f"{n:>12}" for n in names)
+    lines = [head]
+    keys = sorted(
+        {(r["setting"], r["horizon"]) for r in suite["rows"]}, key=lambda k: (list(suite["settings"]).index(k[0]), k[1])
+    )
+    for setting, h in keys:
+        cells = {r["name"]: r for r in suite["rows"] if r["setting"] == setting and r["horizon"] == h}
+        ref = cells["adams"]["val_loss"]
+        row = f"{setting:>26} {h:>5} {ref:>9.4f} " + " ".join(
+            f"{cells[n]['ratio_to_adams']:>12.4f}" if n in cells else f"{'-':>12}" for n in names
+        )
+        lines.append(row)
+    wire: dict[str, list[float]] = {}
+    for r in suite["rows"]:
+        if r["wire_ratio_to_adams"] is not None:
+            wire.setdefault(r["name"], []).append(r["wire_ratio_to_adams"])
+    lines.append(
+        f"{'wire bytes / dense AdamS':>26} {'':>5} {'':>9} "
+        + " ".join(f"{max(wire[n]):>12.4f}" if n in wire else f"{'-':>12}" for n in names)
+    )
+    return "\n".join(lines)
+
+
+def format_worst_table(suite: dict[str, Any]) -> str:
+    """One line per run name: worst ratio to dense AdamS per horizon (and where), and the target verdict."""
+    hs = [str(h) for h in suite["horizons"]]
+    head = f"{'run':>12} " + " ".join(f"{'worst@' + h:>10} {'setting':>26}" for h in hs) + f" {'target':>10}"
+    lines = [head]
+    for name in _order(list(suite["worst"])):
+        w = suite["worst"][name]
+        cells = []
+        for h in hs:
+            c = w["by_horizon"].get(h)
+            cells.append(f"{c['ratio']:>10.4f} {c['setting']:>26}" if c else f"{'-':>10} {'':>26}")
+        verdict = "-" if w["met"] is None else f"{'ok' if w['met'] else 'MISS'}<={w['max_ratio']:g}"
+        lines.append(f"{name:>12} " + " ".join(cells) + f" {verdict:>10}")
+    return "\n".join(lines)
+
+
+def write_suite_plot(suite: dict[str, Any], path: str | Path) -> Path:
+    """Ratio to dense AdamS of every sparse run, one panel per horizon, one line per method and density."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    hs = suite["horizons"]
+    settings = list(suite["settings"])
+    fig = Figure(figsize=(6.0 * len(hs), 4.8), dpi=110)
+    FigureCanvasAgg(fig)
+    names = [n for n in _order(sorted({r["name"] for r in suite["rows"]})) if n != "adams"]
+    for i, h in enumerate(hs):
+        ax = fig.add_subplot(1, len(hs), i + 1)
+        for n in names:
+            ys = []
+            for s in settings:
+                cell = [r for r in suite["rows"] if r["setting"] == s and r["horizon"] == h and r["name"] == n]
+                ys.append(cell[0]["ratio_to_adams"] if cell else float("nan"))
+            ax.plot(range(len(settings)), ys, "o-", ms=4, lw=1.2, label=n)
+        ax.axhline(1.0, color="black", lw=0.8)
+        for limit in sorted(set(suite["targets"].values())):
+            ax.axhline(limit, color="gray", lw=0.6, ls="--")
+        ax.set_xticks(range(len(settings)))
+        ax.set_xticklabels(settings, rotation=30, ha="right", fontsize=7)
+        ax.set_ylabel("validation loss / dense AdamS")
+        ax.set_title(f"{h} steps", fontsize=10)
+        ax.grid(alpha=0.3)
+        if i == 0:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out)
+    return out
