@@ -11,7 +11,7 @@ BIN := $(VENV)/bin
 # checked against a failure-free reference run (override: make train TRAIN_ARGS="...").
 TRAIN_ARGS ?= --optimizer scape --density 0.01 --spares 1 --kill 2@150
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= mpi,dev,trainers
+EXTRAS ?= mpi,dev,trainers,bench
 comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 PYTEST_ARGS ?=

@@ -60,7 +60,7 @@ from optim.sharded import ShardedAdamS
 from sparsecomm.collectives import sparse_all_reduce
 from sparsecomm.mask import ShardedMask, k_for
 
-__all__ = ["LOCAL_SCHEDULES", "LocalAdamS", "TopKAdamS"]
+__all__ = ["LOCAL_SCHEDULES", "LocalAdamS", "ReplicatedAdamS", "TopKAdamS"]
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +81,10 @@ def _check_steps(name: str, value: object) -> int:
     return value
 
 
-class _ReplicatedAdamS(ShardedAdamS):
+class ReplicatedAdamS(ShardedAdamS):
     """AdamS over the whole flat buffer on every rank; subclasses choose the gradient and the averaging.
+
+    Not built directly: :class:`LocalAdamS` and :class:`TopKAdamS` are.
 
     The base's master shard is kept equal to this rank's slice of its replica
     after every step, so the parameter checks of :class:`ShardedAdamS` (values
@@ -206,6 +208,34 @@ class _ReplicatedAdamS(ShardedAdamS):
         self._copy_full(extra)
 
     @torch.no_grad()
+    def restore_replica(self, snap: dict[str, Any]) -> None:
+        """Load a :meth:`snapshot_state` taken under any world size (same parameters): this rank's replica.
+
+        The replica (parameters, first moment, residual) does not depend on the
+        layout, so a survivor of a shrink goes on from its own; the master
+        shard is cut from it in the new layout. Local: no communication. The
+        parameters are written.
+
+        Raises:
+            ValueError: The snapshot is of other parameters or another optimizer.
+        """
+        b = self._bucket
+        extra = snap.get("extra") or {}
+        if int(snap.get("numel", -1)) != b.numel:
+            raise ValueError(f"snapshot: {snap.get('numel')} parameters saved, this optimizer has {b.numel}")
+        for name, mine in self._full_state().items():
+            src = extra.get(name)
+            if not isinstance(src, Tensor) or src.dim() != 1 or src.numel() < b.numel or src.dtype != mine.dtype:
+                raise ValueError(f"snapshot: {name} missing or not a flat {mine.dtype} replica of {b.numel} elements")
+        for name, mine in self._full_state().items():
+            mine.zero_()
+            mine[: b.numel].copy_(extra[name][: b.numel])
+        self._step = int(snap["step"])
+        b.write_params(self._flat)
+        self._master.copy_(b.own_slice(self._flat))
+        self._master_wins = False
+
+    @torch.no_grad()
     def resync_params(self) -> None:
         """Write this rank's replica into the parameters (local; kept collective-shaped for callers).
 
@@ -218,7 +248,7 @@ class _ReplicatedAdamS(ShardedAdamS):
         self._master_wins = False
 
 
-class LocalAdamS(_ReplicatedAdamS):
+class LocalAdamS(ReplicatedAdamS):
     """Local AdamS steps on every rank; the parameters are averaged a window at a time.
 
     See the module docstring for the algorithm. Arguments as
@@ -329,7 +359,7 @@ class LocalAdamS(_ReplicatedAdamS):
             self._master.copy_(self._bucket.own_slice(self._flat))
 
 
-class TopKAdamS(_ReplicatedAdamS):
+class TopKAdamS(ReplicatedAdamS):
     """AdamS on the average of every rank's top-k gradient entries, with error feedback (a baseline).
 
     Arguments as :class:`LocalAdamS` without ``schedule``. ``density`` sets

@@ -50,6 +50,8 @@ import torch
 import sparsecomm.distributed as dist
 from bindings.errors import CommError, PeerFailureError
 from bindings.store import open_store
+from optim.local import LocalAdamS, ReplicatedAdamS
+from optim.scape import SCAPE
 from optim.snapshot import Replicator, SnapshotRing, UnrecoverableStateError, decode_tree
 from optim.tasks import make_task
 from optim.train import TrainConfig, _evaluate, build_optimizer, lr_at
@@ -110,9 +112,10 @@ class ResilienceConfig:
 
     def check_against(self, config: TrainConfig) -> None:
         """Raise ``ValueError`` for kills outside the run or a non-sharded optimizer."""
-        if config.optimizer not in ("adams", "adamw", "scape"):
+        if config.optimizer == "allreduce-adamw":
             raise ValueError(
-                f"resilient training needs a sharded optimizer (adams, adamw, scape), not {config.optimizer}"
+                "resilient training needs one of our optimizers (adams, adamw, scape, local-adams, topk-adams), "
+                f"not {config.optimizer}"
             )
         for slot, step in self.kills:
             if slot >= config.nproc or step > config.steps:
@@ -223,7 +226,7 @@ class _Worker:
         """
         headroom = 64 << 10
         density = getattr(self.optimizer, "density", 1.0)
-        if density < 1.0:
+        if isinstance(self.optimizer, SCAPE) and density < 1.0:
             b = self.optimizer.bucket
             headroom += self.optimizer.mask_delay * b.world_size * k_for(b.numel, b.world_size, density) * 8
         return headroom
@@ -294,7 +297,17 @@ class _Worker:
             raise UnrecoverableStateError(f"no common snapshot step: slots {lost} have no copy left")
         phases["agree_s"] = time.time() - t0
         shrunk = change is not None and len(change.lost_slots) > len(change.promoted)
-        if shrunk and restore_step > 0:
+        if shrunk and restore_step > 0 and isinstance(self.optimizer, ReplicatedAdamS):
+            # every survivor holds a whole replica: it goes on from its own (the lost ones' drift is dropped)
+            buf = self.own.get(restore_step)
+            if buf is None:
+                raise UnrecoverableStateError(f"no own snapshot of step {restore_step}")
+            own = decode_tree(buf)
+            phases["transfer_s"] = time.time() - t0
+            self._build_optimizer()
+            self.optimizer.restore_replica(own["optim"])
+            torch.set_rng_state(own["rng"])
+        elif shrunk and restore_step > 0:
             full, rng = self._gather_full_state(restore_step, old_slot, holder, old_world)
             phases["transfer_s"] = time.time() - t0
             self._restore_resharded(restore_step, full, rng)
@@ -511,6 +524,8 @@ class _Worker:
         comm = self.comm
         if self.replicator is not None:
             self.replicator.drain(10.0)
+        if isinstance(self.optimizer, LocalAdamS):
+            self.optimizer.average_params()  # the members end with one model (collective)
         result = {
             "rank": comm.rank,
             "world_size": comm.world_size,

@@ -422,6 +422,8 @@ def train_worker(config: TrainConfig, rank: int, world_size: int, on_step: OnSte
                 event["val_loss"] = evals[-1]["val_loss"]
             if on_step is not None:
                 on_step(event)
+        if isinstance(optimizer, LocalAdamS):
+            optimizer.average_params()  # every rank ends with the same model
     finally:
         if isinstance(optimizer, SCAPE):
             optimizer.close()  # finish the mask gathers in flight before the group goes

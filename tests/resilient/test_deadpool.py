@@ -20,6 +20,7 @@ thread and watches the workers' event files.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import signal
@@ -158,13 +159,28 @@ def test_hotswap_mid_run_is_bitwise_transparent(tmp_path: Path, reference) -> No
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("optimizer", ["adams", "adamw"])
+@pytest.mark.parametrize("optimizer", ["adams", "adamw", "local-adams", "topk-adams"])
 def test_hotswap_dense_baselines_are_bitwise_transparent(tmp_path: Path, reference, optimizer: str) -> None:
     config = _config(optimizer)
     ref = reference(config)
     run = run_resilient_training(config, _res(spares=1, kills=((1, 9),)), tmp_path)
     _report(f"{optimizer} kill 1@9", run)
     _assert_transparent(run, ref, STEPS, failures=1)
+
+
+@pytest.mark.timeout(240)
+def test_local_adams_shrink_goes_on_from_each_survivors_replica(tmp_path: Path) -> None:
+    """No spare: the survivors shrink, each restores its own replica in the new layout, and they finish."""
+    config = _config("local-adams", density=0.1)
+    run = run_resilient_training(config, _res(spares=0, kills=((1, 13),)), tmp_path)
+    _report("local-adams kill 1@13, shrink", run)
+    assert run["status"] == 0, _tail(run)
+    assert sorted(run["losses"]) == list(range(1, STEPS + 1))
+    assert len(run["results"]) == 3 and {r["world_size"] for r in run["results"].values()} == {3}
+    assert run["digests_agree"]  # the final average leaves one model on every member
+    recs = _recoveries(run)
+    assert recs and all(rec["steps_recomputed"] <= 1 for rec in recs), recs
+    assert all(math.isfinite(v) for v in run["losses"].values())
 
 
 @pytest.mark.timeout(300)

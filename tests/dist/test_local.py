@@ -1,0 +1,290 @@
+"""LocalAdamS and TopKAdamS on spawned gloo ranks, checked against single-process references.
+
+* LocalAdamS (staggered): every rank's parameters equal a reference that runs
+  one AdamS per rank on that rank's batches and averages the window
+  positions after every step; the window positions are bitwise identical
+  on every rank; every position is averaged within ceil(shard / k) steps;
+  the wire carries exactly the staggered window's values and nothing else.
+* LocalAdamS (periodic): replicas bitwise identical right after each average.
+* TopKAdamS: replicas bitwise identical every step and equal to a reference
+  top-k + error-feedback AdamS; values plus int32 indices on the wire.
+* Snapshots and state dicts continue bit for bit; ``averaged()`` evaluates
+  the mean of the replicas and puts this rank's own back.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.dist.harness import run_ranks
+
+pytestmark = pytest.mark.dist
+
+STEPS, WARM = 9, 2
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Tanh(), torch.nn.Linear(10, 3))
+
+
+def _loss(model: torch.nn.Module, rank: int, t: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * t + rank)
+    x, y = torch.randn(12, 6, generator=g), torch.randint(0, 3, (12,), generator=g)
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+def _flat(model: torch.nn.Module) -> torch.Tensor:
+    return torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
+
+
+def _make(kind: str, params: object, density: float) -> torch.optim.Optimizer:
+    from optim import LocalAdamS, TopKAdamS
+
+    kw = dict(lr=0.05, weight_decay=0.1, density=density, warmup_steps=WARM)
+    if kind == "topk":
+        return TopKAdamS(params, **kw)
+    return LocalAdamS(params, schedule=kind, **kw)
+
+
+def _rank_run(rank: int, ws: int, kind: str, density: float) -> dict:
+    model = _model()
+    opt = _make(kind, model.parameters(), density)
+    stats = opt.communicator.stats
+    flats, windows, sent = [], [], []
+    for t in range(STEPS):
+        before = stats.as_dict()
+        opt.zero_grad()
+        _loss(model, rank, t).backward()
+        opt.step()
+        after = stats.as_dict()
+        sent.append({op: after[op]["bytes_sent"] - before.get(op, {"bytes_sent": 0})["bytes_sent"] for op in after})
+        flats.append(_flat(model).tolist())
+        if kind == "staggered" and t >= WARM:
+            windows.append(opt.window(t).global_indices().tolist())
+    avg = None
+    if kind != "topk":
+        with opt.averaged():
+            avg = _flat(model).tolist()
+    own_after = _flat(model).tolist()
+    cover = []
+    if kind == "staggered":
+        span = math.ceil(opt.bucket.shard_size / opt.k)
+        cover = [opt.window(t).piece(0).tolist() for t in range(WARM, WARM + span)]
+    return {
+        "flats": flats,
+        "windows": windows,
+        "cover": cover,
+        "sent": sent,
+        "avg": avg,
+        "own_after": own_after,
+        "k": opt.k,
+        "shard": opt.bucket.shard_size,
+        "numel": opt.bucket.numel,
+    }
+
+
+def _reference_local(ws: int, kind: str, density: float, k: int, shard: int, windows: list) -> list[list[torch.Tensor]]:
+    """One AdamS per rank on its own batches; window (or periodic) averages; the warm-up averages gradients."""
+    from optim import AdamS
+
+    models = [_model() for _ in range(ws)]
+    opts = [AdamS(m.parameters(), lr=0.05, weight_decay=0.1, foreach=False) for m in models]  # decay: matrices
+    period = max(1, round(1 / density))
+    out = []
+    for t in range(STEPS):
+        grads = []
+        for r, m in enumerate(models):
+            m.zero_grad()
+            _loss(m, r, t).backward()
+            grads.append([p.grad.clone() for p in m.parameters()])
+        if t < WARM:
+            for m in models:
+                for i, p in enumerate(m.parameters()):
+                    p.grad = torch.stack([g[i] for g in grads]).sum(0) / ws
+        for o in opts:
+            o.step()
+        flats = [_flat(m) for m in models]
+        if t >= WARM:
+            if kind == "periodic":
+                pos = (
+                    torch.arange(flats[0].numel()) if (t + 1 - WARM) % period == 0 else torch.zeros(0, dtype=torch.long)
+                )
+            else:
+                pos = torch.tensor([i for i in windows[t - WARM] if i < flats[0].numel()], dtype=torch.long)
+            mean = torch.stack([f[pos] for f in flats]).sum(0) / ws
+            for f, m in zip(flats, models, strict=True):
+                f[pos] = mean
+                torch.nn.utils.vector_to_parameters(f, m.parameters())
+        out.append([f.clone() for f in flats])
+    return out
+
+
+@pytest.mark.parametrize("ws,density", [(2, 0.25), (3, 0.1)])
+def test_staggered_matches_reference_and_window_is_identical(ws: int, density: float) -> None:
+    res = run_ranks(_rank_run, ws, "staggered", density, timeout=120, op_timeout=60)
+    k, shard, numel = res[0]["k"], res[0]["shard"], res[0]["numel"]
+    assert k == math.ceil(density * shard)
+    windows = res[0]["windows"]
+    assert all(r["windows"] == windows for r in res)
+    ref = _reference_local(ws, "staggered", density, k, shard, windows)
+    for t in range(STEPS):
+        got = [torch.tensor(r["flats"][t]) for r in res]
+        for r in range(ws):
+            assert torch.allclose(got[r], ref[t][r], rtol=1e-5, atol=1e-6), (t, r, (got[r] - ref[t][r]).abs().max())
+        if t < WARM:
+            assert all(torch.equal(got[0], g) for g in got)  # the warm-up keeps the replicas identical
+        else:
+            pos = torch.tensor([i for i in windows[t - WARM] if i < numel])
+            assert all(torch.equal(got[0][pos], g[pos]) for g in got)  # averaged positions: bitwise the same
+            assert not all(torch.equal(got[0], g) for g in got)  # the rest: each rank's own steps
+    # every position is averaged within ceil(shard / k) consecutive steps
+    assert len(res[0]["cover"]) == math.ceil(shard / k)
+    assert {i for w in res[0]["cover"] for i in w} == set(range(shard))
+    # wire: the window's values (sparse reduce-scatter + all-gather), no mask, no clip scalar
+    for t, sent in enumerate(res[0]["sent"]):
+        if t < WARM:
+            assert set(k_ for k_, v in sent.items() if v) == {"all_reduce"}
+        else:
+            assert {op for op, v in sent.items() if v} == {"sparse_all_reduce"}
+            assert sent["sparse_all_reduce"] == 2 * (ws - 1) * k * 4
+    # averaged(): every rank sees the same mean of the replicas; its own comes back afterwards
+    mean = torch.stack([torch.tensor(r["flats"][-1]) for r in res]).mean(0)
+    for r in res:
+        assert torch.allclose(torch.tensor(r["avg"]), mean, atol=1e-6)
+        assert r["avg"] == res[0]["avg"]
+        assert r["own_after"] == r["flats"][-1]
+
+
+def test_periodic_averages_every_period() -> None:
+    ws, density = 2, 0.34  # period 3
+    res = run_ranks(_rank_run, ws, "periodic", density, timeout=120, op_timeout=60)
+    ref = _reference_local(ws, "periodic", density, res[0]["k"], res[0]["shard"], [])
+    for t in range(STEPS):
+        got = [torch.tensor(r["flats"][t]) for r in res]
+        for r in range(ws):
+            assert torch.allclose(got[r], ref[t][r], rtol=1e-5, atol=1e-6), (t, r)
+        same = torch.equal(got[0], got[1])
+        averaged = t < WARM or (t + 1 - WARM) % 3 == 0
+        assert same == averaged, t
+        assert (res[0]["sent"][t].get("all_reduce", 0) > 0) == averaged
+
+
+def _reference_topk(ws: int, k: int) -> list[torch.Tensor]:
+    from optim import AdamS
+
+    model = _model()
+    opt = AdamS(model.parameters(), lr=0.05, weight_decay=0.1, foreach=False)
+    n = _flat(model).numel()
+    residual = [torch.zeros(n) for _ in range(ws)]
+    out = []
+    for t in range(STEPS):
+        gs = []
+        for r in range(ws):
+            model.zero_grad()
+            _loss(model, r, t).backward()
+            gs.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+        if t < WARM:
+            g = torch.stack(gs).sum(0) / ws
+        else:
+            g = torch.zeros(n)
+            for r in range(ws):
+                e = residual[r] + gs[r]
+                idx = torch.topk(e.abs(), k).indices
+                g[idx] += e[idx]
+                e[idx] = 0.0
+                residual[r] = e
+            g /= ws
+        torch.nn.utils.vector_to_parameters(g, [p.grad for p in model.parameters()])
+        opt.step()
+        out.append(_flat(model))
+    return out
+
+
+def test_topk_replicas_identical_and_match_reference() -> None:
+    ws, density = 2, 0.2
+    res = run_ranks(_rank_run, ws, "topk", density, timeout=120, op_timeout=60)
+    k = res[0]["k"]
+    ref = _reference_topk(ws, k)
+    for t in range(STEPS):
+        assert res[0]["flats"][t] == res[1]["flats"][t], t
+        assert torch.allclose(torch.tensor(res[0]["flats"][t]), ref[t], rtol=1e-5, atol=1e-6), t
+    for t, sent in enumerate(res[0]["sent"]):
+        if t >= WARM:
+            assert {op for op, v in sent.items() if v} == {"topk"}
+            assert sent["topk"] == (ws - 1) * k * (4 + 4)  # fp32 values + int32 indices
+
+
+def _rank_resume(rank: int, ws: int, kind: str, via: str) -> dict:
+    from optim.snapshot import decode_tree, encode_tree
+
+    a = _model()
+    oa = _make(kind, a.parameters(), 0.25)
+    for t in range(4):
+        oa.zero_grad()
+        _loss(a, rank, t).backward()
+        oa.step()
+    saved = encode_tree(oa.snapshot_state()) if via == "snapshot" else oa.state_dict()
+    import copy
+
+    saved = copy.deepcopy(saved)
+    cont = []
+    for t in range(4, 8):
+        oa.zero_grad()
+        _loss(a, rank, t).backward()
+        oa.step()
+        cont.append(_flat(a).tolist())
+    b = _model(seed=5)  # other values: the load must bring this rank's replica back
+    ob = _make(kind, b.parameters(), 0.25)
+    if via == "snapshot":
+        ob.restore_snapshot(decode_tree(saved))
+        ob.resync_params()
+    else:
+        ob.load_state_dict(saved)
+    again = []
+    for t in range(4, 8):
+        ob.zero_grad()
+        _loss(b, rank, t).backward()
+        ob.step()
+        again.append(_flat(b).tolist())
+    return {"cont": cont, "again": again}
+
+
+@pytest.mark.parametrize("kind", ["staggered", "topk"])
+@pytest.mark.parametrize("via", ["snapshot", "state_dict"])
+def test_resume_is_bitwise(kind: str, via: str) -> None:
+    res = run_ranks(_rank_resume, 2, kind, via, timeout=120, op_timeout=60)
+    for r in res:
+        assert r["cont"] == r["again"]
+
+
+def _rank_bad(rank: int, ws: int) -> list[str]:
+    from optim import LocalAdamS, TopKAdamS
+
+    out = []
+    m = _model()
+    for make in (
+        lambda: LocalAdamS(m.parameters(), density=0.0),
+        lambda: LocalAdamS(m.parameters(), density=1.5),
+        lambda: LocalAdamS(m.parameters(), schedule="ring"),
+        lambda: LocalAdamS(m.parameters(), warmup_steps=-1),
+        lambda: TopKAdamS(m.parameters(), density=True),
+        lambda: LocalAdamS(m.parameters(), density=0.1 if rank == 0 else 0.2),  # differs between ranks
+    ):
+        try:
+            make()
+            out.append("ok")
+        except ValueError as exc:
+            out.append(str(exc))
+    return out
+
+
+def test_bad_arguments_raise_the_same_everywhere() -> None:
+    res = run_ranks(_rank_bad, 2, timeout=60, op_timeout=30)
+    for msgs in res:
+        assert all(m != "ok" for m in msgs), msgs
+    assert res[0][:5] == res[1][:5]
+    assert "differ between ranks" in res[0][5] and "differ between ranks" in res[1][5]
