@@ -71,3 +71,44 @@ def test_variants_and_loss_rise() -> None:
     assert largest_loss_rise([5.0, 4.0, 4.5, 3.0, 3.2], 0) == (0.5, 3)
     assert largest_loss_rise([5.0, 4.0, 4.5, 3.0, 3.2], 3) == pytest.approx((0.2, 5))
     assert largest_loss_rise([3.0, 2.0, 1.0], 0) == (0.0, None)
+
+
+@pytest.mark.timeout(300)
+def test_convergence_suite_cli_end_to_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two digits settings (one constant LR, read at both horizons from one run; one cosine, run per horizon)."""
+    for var in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(var, raising=False)
+    out = tmp_path / "suite"
+    argv = [
+        "bench", "convergence", "--suite", "--settings", "digits-mlp-const,digits-mlp-cosine",
+        "--horizons", "100,200", "--methods", "local,topk", "--densities", "0.25", "--nproc", "2",
+        "--out", str(out), "--timeout", "120",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    for word in ("digits-mlp-const", "digits-mlp-cosine", "local@0.25", "topk@0.25", "worst@200", "wire bytes"):
+        assert word in printed, printed
+    data = json.loads((out / "suite.json").read_text())
+    assert (out / "suite.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    cells = {(r["setting"], r["horizon"], r["name"]) for r in data["rows"]}
+    names = ("adamw", "adams", "local@0.25", "topk@0.25")
+    assert cells == {(s, h, n) for s in ("digits-mlp-const", "digits-mlp-cosine") for h in (100, 200) for n in names}
+    trained = {(r["setting"], r["horizon"]): r["trained_steps"] for r in data["rows"]}
+    assert trained[("digits-mlp-const", 100)] == 200  # read from the 200-step run (constant LR)
+    assert trained[("digits-mlp-cosine", 100)] == 100  # its own run (the schedule depends on the length)
+    for r in data["rows"]:
+        if r["name"] == "adams":
+            assert r["ratio_to_adams"] == 1.0
+        if "@" in r["name"]:
+            assert 0.25 < r["wire_ratio_to_adams"] < 0.6, r  # a quarter of the bytes plus the dense warm-up
+    worst = data["worst"]["local@0.25"]
+    assert set(worst["by_horizon"]) == {"100", "200"} and worst["max_ratio"] is None  # no target at 0.25
+    assert data["settings"]["digits-mlp-const"]["nproc"] == 2
+
+
+def test_suite_rejects_unknown_settings(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "convergence", "--suite", "--settings", "imagenet"])
+    assert "expected a comma list" in capsys.readouterr().err
