@@ -50,6 +50,12 @@ def add_scape_options(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     p.add_argument(
         "--local-schedule", choices=LOCAL_SCHEDULES, default=d.local_schedule, help="LocalAdamS: how to average"
     )
+    p.add_argument(
+        "--local-wire",
+        choices=("float32", "bfloat16"),
+        default=d.local_wire,
+        help="LocalAdamS: average float32 values, or bfloat16 changes since the last average (twice the positions)",
+    )
     p.add_argument("--mask-delay", type=int, default=d.mask_delay, help="SCAPE: mask delay D")
     p.add_argument("--unselected", choices=UNSELECTED_POLICIES, default=d.unselected, help="SCAPE: unselected policy")
     p.add_argument("--error-feedback", action="store_true", help="SCAPE: keep the unsent gradient as a residual")
@@ -84,6 +90,7 @@ def scape_settings(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "sparse_warmup_steps": args.warmup_steps,
         "local_schedule": args.local_schedule,
+        "local_wire": args.local_wire,
         "mask_delay": args.mask_delay,
         "unselected": args.unselected,
         "error_feedback": args.error_feedback,

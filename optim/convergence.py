@@ -5,7 +5,13 @@ once per variant, on ``nproc`` spawned local ranks, one run after the other:
 
 * ``adamw``: :class:`optim.ShardedAdamW` (dense),
 * ``adams``: :class:`optim.ShardedAdamS` (dense; the reference of the ratios),
-* ``scape@D``: :class:`optim.SCAPE` at each density ``D``.
+* per density ``D``, each chosen method (:data:`METHODS`): ``scape@D``
+  (:class:`optim.SCAPE`), ``local@D`` (:class:`optim.LocalAdamS`, staggered
+  window), ``periodic@D`` (LocalAdamS, a dense average every ``1/D`` steps) and
+  ``topk@D`` (:class:`optim.TopKAdamS`) -- the last three put the same value
+  bytes on the wire as SCAPE at ``D``.
+
+:mod:`optim.suite` runs this over many settings.
 
 Every run uses the same initialisation and the same batches (both depend on
 the seed only). The result holds, per run, the config, per-step training loss,
@@ -43,13 +49,15 @@ TARGETS = {0.1: 1.02, 0.01: 1.05}
 OnRun = Callable[[dict[str, Any]], None]
 
 
-METHODS = ("scape", "local", "periodic", "topk")
+METHODS = ("scape", "local", "local16", "periodic", "topk")
 """Sparse methods a convergence run can compare, each at every density: SCAPE, LocalAdamS
-(staggered window), LocalAdamS (periodic dense averaging) and TopKAdamS (top-k + error feedback)."""
+(staggered window; ``local16`` with bfloat16 changes, a window twice as wide), LocalAdamS (periodic
+dense averaging) and TopKAdamS (top-k + error feedback)."""
 
 _METHOD_OVERRIDES: dict[str, dict[str, Any]] = {
     "scape": {"optimizer": "scape"},
     "local": {"optimizer": "local-adams", "local_schedule": "staggered"},
+    "local16": {"optimizer": "local-adams", "local_schedule": "staggered", "local_wire": "bfloat16"},
     "periodic": {"optimizer": "local-adams", "local_schedule": "periodic"},
     "topk": {"optimizer": "topk-adams"},
 }

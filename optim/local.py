@@ -60,11 +60,12 @@ from optim.sharded import ShardedAdamS
 from sparsecomm.collectives import sparse_all_reduce
 from sparsecomm.mask import ShardedMask, k_for
 
-__all__ = ["LOCAL_SCHEDULES", "LocalAdamS", "ReplicatedAdamS", "TopKAdamS"]
+__all__ = ["LOCAL_SCHEDULES", "WIRE_DTYPES", "LocalAdamS", "ReplicatedAdamS", "TopKAdamS"]
 
 logger = logging.getLogger(__name__)
 
 LOCAL_SCHEDULES = ("staggered", "periodic")
+WIRE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _check_density(density: object) -> float:
@@ -262,6 +263,13 @@ class LocalAdamS(ReplicatedAdamS):
         schedule: ``"staggered"`` (default) or ``"periodic"``.
         warmup_steps: Steps that average the gradients (dense) before the local
             phase starts.
+        wire_dtype: ``torch.float32`` averages the parameter values;
+            ``torch.bfloat16`` averages each replica's change since the last
+            average of that position (all ranks hold the same last average, the
+            *anchor*, one more fp32 copy of the model), rounded to bfloat16, so
+            twice as many positions per step (or averages twice as often) for
+            the same bytes. The rounding touches only the change since the last
+            average, and the new anchor is the same on every rank.
 
     Raises:
         ValueError: Bad arguments (before any communication, the same on every rank).
@@ -281,12 +289,19 @@ class LocalAdamS(ReplicatedAdamS):
         bias_correction: bool = True,
         group: Any = None,
         *,
+        wire_dtype: torch.dtype = torch.float32,
         wd_min_ndim: int = 2,
     ) -> None:
         if schedule not in LOCAL_SCHEDULES:
             raise ValueError(f"Invalid schedule: {schedule!r} (must be one of {LOCAL_SCHEDULES})")
+        if wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"Invalid wire_dtype: {wire_dtype!r} (must be one of {WIRE_DTYPES})")
         self.schedule = schedule
-        self.period = max(1, round(1.0 / _check_density(density)))
+        self.wire_dtype = wire_dtype
+        scale = torch.finfo(torch.float32).bits // torch.finfo(wire_dtype).bits
+        self.wire_density = min(1.0, _check_density(density) * scale)
+        """Fraction of the positions averaged per step (staggered) at the wire dtype's size."""
+        self.period = max(1, round(1.0 / self.wire_density))
         """Steps between two dense averages (``periodic``)."""
         super().__init__(
             params,
@@ -300,8 +315,15 @@ class LocalAdamS(ReplicatedAdamS):
             bias_correction,
             group,
             wd_min_ndim=wd_min_ndim,
-            config=f"LocalAdamS|{schedule}",
+            config=f"LocalAdamS|{schedule}|{wire_dtype}",
         )
+        b = self._bucket
+        self.k = k_for(b.numel, b.world_size, self.wire_density)
+        self._anchor: Tensor | None = None
+        self._delta: Tensor | None = None
+        if wire_dtype != torch.float32:
+            self._anchor = self._flat.clone()
+            self._delta = torch.zeros(b.padded_numel, dtype=wire_dtype, device=self._flat.device)
 
     def window(self, t: int) -> ShardedMask:
         """The positions averaged after step ``t`` (staggered): the same window in every shard."""
@@ -318,14 +340,42 @@ class LocalAdamS(ReplicatedAdamS):
             return False
         return self.schedule == "staggered" or (t + 1 - self.warmup_steps) % self.period == 0
 
+    def _run(self, t: int) -> None:
+        if self._anchor is not None and t < self.warmup_steps:
+            super()._run(t)
+            self._anchor.copy_(self._flat)  # the replicas are identical during the warm-up
+            return
+        super()._run(t)
+
     def _average(self, t: int) -> None:
         if not self.is_average_step(t):
             return
+        n, flat = self._bucket.numel, self._flat
+        if self._anchor is None or self._delta is None:
+            if self.schedule == "periodic":
+                self._comm.all_reduce(flat, ReduceOp.AVG)
+            else:
+                sparse_all_reduce(self._comm, flat[:n], self.window(t), "avg", verify_mask=False)
+            return
+        anchor, delta = self._anchor, self._delta
         if self.schedule == "periodic":
-            self._comm.all_reduce(self._flat, ReduceOp.AVG)
-        else:
-            n = self._bucket.numel
-            sparse_all_reduce(self._comm, self._flat[:n], self.window(t), "avg", verify_mask=False)
+            torch.sub(flat, anchor, out=delta)
+            self._comm.all_reduce(delta, ReduceOp.AVG)
+            anchor.add_(delta)
+            flat.copy_(anchor)
+            return
+        mask = self.window(t)
+        pos = mask.global_indices(flat.device)
+        delta[pos] = (flat[pos] - anchor[pos]).to(delta.dtype)
+        sparse_all_reduce(self._comm, delta[:n], mask, "avg", verify_mask=False)
+        anchor[pos] += delta[pos]
+        flat[pos] = anchor[pos]
+
+    def _full_state(self) -> dict[str, Tensor]:
+        out = super()._full_state()
+        if self._anchor is not None:
+            out["anchor"] = self._anchor
+        return out
 
     @torch.no_grad()
     def average_params(self) -> None:

@@ -97,6 +97,7 @@ class TrainConfig:
     mask_delay: int = 1  # SCAPE: mask made after step t is used at step t + 1 + mask_delay.
     sparse_warmup_steps: int = 10  # SCAPE, LocalAdamS, TopKAdamS: dense steps before sparsity starts.
     local_schedule: str = "staggered"  # LocalAdamS: staggered | periodic averaging.
+    local_wire: str = "float32"  # LocalAdamS: float32 values | bfloat16 changes since the last average.
     unselected: str = "decay_m"  # SCAPE: policy of unselected coordinates (freeze | decay_m).
     error_feedback: bool = False  # SCAPE: keep the unsent gradient as a local residual.
     refresh_every: int = 0  # SCAPE: every this many steps a dense step (0: never).
@@ -136,6 +137,8 @@ class TrainConfig:
         for name in ("mask_delay", "sparse_warmup_steps", "refresh_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.local_wire not in ("float32", "bfloat16"):
+            raise ValueError(f"local_wire must be 'float32' or 'bfloat16', got {self.local_wire!r}")
         if self.local_schedule not in LOCAL_SCHEDULES:
             raise ValueError(f"local_schedule must be one of {LOCAL_SCHEDULES}, got {self.local_schedule!r}")
         if self.unselected not in UNSELECTED_POLICIES:
@@ -203,7 +206,12 @@ class TrainConfig:
         if self.optimizer == "scape":
             return self.scape_kwargs()
         if self.optimizer == "local-adams":
-            return {"density": self.density, "schedule": self.local_schedule, "warmup_steps": self.sparse_warmup_steps}
+            return {
+                "density": self.density,
+                "schedule": self.local_schedule,
+                "warmup_steps": self.sparse_warmup_steps,
+                "wire_dtype": self.local_wire,
+            }
         if self.optimizer == "topk-adams":
             return {"density": self.density, "warmup_steps": self.sparse_warmup_steps}
         return {}
@@ -244,7 +252,10 @@ def build_optimizer(config: TrainConfig, model: torch.nn.Module) -> torch.optim.
         "weight_decay": config.weight_decay,
         "max_grad_norm": config.grad_clip,
     }
-    opt: torch.optim.Optimizer = _CLASSES[config.optimizer](params, **kw, **config.sparse_kwargs())
+    sparse = config.sparse_kwargs()
+    if "wire_dtype" in sparse:
+        sparse["wire_dtype"] = getattr(torch, sparse["wire_dtype"])
+    opt: torch.optim.Optimizer = _CLASSES[config.optimizer](params, **kw, **sparse)
     return opt
 
 
