@@ -56,7 +56,7 @@ import torch
 from torch import Tensor
 
 from bindings import ReduceOp
-from optim.sharded import ShardedAdamS
+from optim.sharded import ShardedAdamS, take_written
 from sparsecomm.collectives import sparse_all_reduce
 from sparsecomm.mask import ShardedMask, k_for
 
@@ -151,25 +151,16 @@ class ReplicatedAdamS(ShardedAdamS):
     def _average(self, t: int) -> None:
         """Average (part of) the replicas after the update of step ``t``."""
 
-    @torch.no_grad()
-    def _sync_params(self) -> None:
+    def _take_written(self) -> None:
         """Take values written into the parameters from outside into the replica (local, no communication)."""
         b = self._bucket
-        self._follow_params()
-        if self._master_wins:
-            self._master_wins = False
-            return
         changed = 0
         for p, off in zip(b.params, b.offsets, strict=True):
             mine = self._flat[off : off + p.numel()]
             cur = p.detach().reshape(-1)
             if cur.data_ptr() == mine.data_ptr():
                 continue  # the parameter views the replica: nothing to take
-            ref = mine if p.dtype == torch.float32 else mine.to(p.dtype)
-            if not torch.equal(cur, ref):
-                diff = (cur != ref) & ~(cur.isnan() & ref.isnan())
-                mine.copy_(torch.where(diff, cur.float(), mine))
-                changed += int(diff.sum())
+            changed += take_written(mine, cur, mine if p.dtype == torch.float32 else mine.to(p.dtype))
         if changed:
             logger.info(
                 "%s: %d parameter values were written outside the optimizer; taken", type(self).__name__, changed

@@ -178,20 +178,23 @@ class _ShardedOptimizer(Optimizer):
     @torch.no_grad()
     def _sync_params(self) -> None:
         """Take in what happened to the parameters since the last step (local, no communication)."""
-        b = self._bucket
         self._follow_params()
         if self._master_wins:
             self._master_wins = False
             return
+        self._take_written()
+
+    def _take_written(self) -> None:
+        """Make values written into the parameters from outside this rank's master."""
+        b = self._bucket
         own, master = b.own_values(self._flat)[: b.real], self._master[: b.real]
         ref = master if b.dtype == torch.float32 else master.to(b.dtype).float()
-        if not torch.equal(own, ref):  # one read of the shard when nothing changed
-            changed = (own != ref) & ~(own.isnan() & ref.isnan())
-            master.copy_(torch.where(changed, own, master))
+        changed = take_written(master, own, ref)
+        if changed:
             logger.info(
                 "%s: %d parameter values were written outside the optimizer; taken as master",
                 type(self).__name__,
-                int(changed.sum()),
+                changed,
             )
 
     def _check_grads(self, missing: list[int]) -> None:
@@ -396,6 +399,19 @@ class _ShardedOptimizer(Optimizer):
         super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
         self._copy_shard(sh)
         self._load_extra(sh["extra"])
+
+
+def take_written(dst: Tensor, cur: Tensor, ref: Tensor) -> int:
+    """Copy into ``dst`` the positions where ``cur`` differs from ``ref`` (NaN equals NaN); return how many.
+
+    ``cur`` and ``ref`` are compared in ``cur``'s dtype; ``dst`` takes ``cur``'s
+    values cast to its own. One read of ``cur`` and ``ref`` when nothing changed.
+    """
+    if torch.equal(cur, ref):
+        return 0
+    diff = (cur != ref) & ~(cur.isnan() & ref.isnan())
+    dst.copy_(torch.where(diff, cur.to(dst.dtype), dst))
+    return int(diff.sum())
 
 
 def _adams_defaults(

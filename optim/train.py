@@ -42,7 +42,7 @@ import torch
 import sparsecomm.distributed as dist
 from bindings.launch import detect_launch
 from bindings.spawn import run_local
-from optim.data import DEFAULT_MAX_BYTES, VOCAB_SIZE
+from optim.data import DEFAULT_MAX_BYTES
 from optim.local import LOCAL_SCHEDULES, LocalAdamS, TopKAdamS
 from optim.model import GPTConfig
 from optim.scape import MASK_SCORES, SCAPE, UNSELECTED_POLICIES
@@ -177,14 +177,8 @@ class TrainConfig:
         )
 
     def model_config(self) -> GPTConfig:
-        """Return the model shape of this run."""
-        return GPTConfig(
-            vocab_size=VOCAB_SIZE,
-            context=self.context,
-            d_model=self.d_model,
-            n_layers=self.n_layers,
-            n_heads=self.n_heads,
-        )
+        """Return the transformer shape of this run (text task)."""
+        return self.task_spec().gpt_config()
 
     def optimizer_config(self) -> dict[str, Any]:
         """Return the optimizer's name, class and constructor settings (JSON-serialisable)."""

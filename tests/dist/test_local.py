@@ -316,3 +316,32 @@ def test_bfloat16_wire_averages_twice_as_much_for_the_same_bytes(kind: str) -> N
             averaged = (t + 1 - WARM) % 4 == 0
             assert torch.equal(got[0], got[1]) == averaged, t
             assert res[0]["sent"][t].get("all_reduce", 0) == (2 * (ws - 1) * math.ceil(numel / ws) * 2 if averaged else 0)
+
+
+def _rank_written(rank: int, ws: int) -> dict:
+    from optim import LocalAdamS
+
+    model = _model().to(torch.bfloat16)  # not views of the fp32 replica: writes must be noticed
+    opt = LocalAdamS(model.parameters(), lr=1e-3, density=0.5, warmup_steps=1)
+
+    def step(t: int) -> None:
+        opt.zero_grad()
+        g = torch.Generator().manual_seed(1000 * t + rank)
+        x, y = torch.randn(12, 6, generator=g, dtype=torch.bfloat16), torch.randint(0, 3, (12,), generator=g)
+        torch.nn.functional.cross_entropy(model(x).float(), y).backward()
+        opt.step()
+
+    for t in range(3):
+        step(t)
+    new = {k: v * 0.5 + 0.25 for k, v in model.state_dict().items()}
+    model.load_state_dict(new)  # in place
+    step(3)
+    got = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+    want = torch.cat([new[k].float().reshape(-1) for k, _ in model.named_parameters()])
+    return {"err": float((got - want).abs().max())}
+
+
+def test_values_written_into_low_precision_params_are_taken() -> None:
+    res = run_ranks(_rank_written, 2, timeout=60, op_timeout=30)
+    for r in res:
+        assert r["err"] < 0.02, r  # one small step from the written values, not the old ones (>= 0.25 away)

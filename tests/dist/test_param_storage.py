@@ -51,8 +51,10 @@ def _live(model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def _make(kind: str, params: object) -> torch.optim.Optimizer:
-    from optim import SCAPE, ShardedAdamS, ShardedAdamW
+    from optim import SCAPE, LocalAdamS, ShardedAdamS, ShardedAdamW
 
+    if kind == "local":
+        return LocalAdamS(params, lr=0.05, density=0.5, warmup_steps=1)
     if kind == "adams":
         return ShardedAdamS(params, lr=0.05, weight_decay=0.1)
     if kind == "adamw":
@@ -125,7 +127,7 @@ def _rank_twin(rank: int, ws: int, kind: str, tied: bool) -> dict:
     return out
 
 
-@pytest.mark.parametrize("kind", ["adams", "scape", "adamw"])
+@pytest.mark.parametrize("kind", ["adams", "scape", "adamw", "local"])
 @pytest.mark.parametrize("tied", [False, True])
 def test_storage_replaced_values_kept_bitwise(kind: str, tied: bool) -> None:
     res = run_ranks(_rank_twin, 2, kind, tied, timeout=180, op_timeout=60)
