@@ -56,9 +56,9 @@ dense averaging) and TopKAdamS (top-k + error feedback)."""
 
 _METHOD_OVERRIDES: dict[str, dict[str, Any]] = {
     "scape": {"optimizer": "scape"},
-    "local": {"optimizer": "local-adams", "local_schedule": "staggered"},
+    "local": {"optimizer": "local-adams", "local_schedule": "staggered", "local_wire": "float32"},
     "local16": {"optimizer": "local-adams", "local_schedule": "staggered", "local_wire": "bfloat16"},
-    "periodic": {"optimizer": "local-adams", "local_schedule": "periodic"},
+    "periodic": {"optimizer": "local-adams", "local_schedule": "periodic", "local_wire": "float32"},
     "topk": {"optimizer": "topk-adams"},
 }
 

@@ -254,13 +254,15 @@ class LocalAdamS(ReplicatedAdamS):
         schedule: ``"staggered"`` (default) or ``"periodic"``.
         warmup_steps: Steps that average the gradients (dense) before the local
             phase starts.
-        wire_dtype: ``torch.float32`` averages the parameter values;
-            ``torch.bfloat16`` averages each replica's change since the last
-            average of that position (all ranks hold the same last average, the
-            *anchor*, one more fp32 copy of the model), rounded to bfloat16, so
-            twice as many positions per step (or averages twice as often) for
-            the same bytes. The rounding touches only the change since the last
-            average, and the new anchor is the same on every rank.
+        wire_dtype: ``torch.bfloat16`` (default) averages each replica's change
+            since the last average of that position (all ranks hold the same
+            last average, the *anchor*: one more fp32 copy of the model),
+            rounded to bfloat16, so twice as many positions per step (or
+            averages twice as often) for the same bytes. The rounding touches
+            only the change since the last average, and the new anchor is the
+            same on every rank. ``torch.float32`` averages the parameter values
+            themselves (no anchor). The default is the better of the two in
+            the worst case of the convergence suite (``benchmarks/README.md``).
 
     Raises:
         ValueError: Bad arguments (before any communication, the same on every rank).
@@ -280,7 +282,7 @@ class LocalAdamS(ReplicatedAdamS):
         bias_correction: bool = True,
         group: Any = None,
         *,
-        wire_dtype: torch.dtype = torch.float32,
+        wire_dtype: torch.dtype = torch.bfloat16,
         wd_min_ndim: int = 2,
     ) -> None:
         if schedule not in LOCAL_SCHEDULES:

@@ -97,7 +97,7 @@ class TrainConfig:
     mask_delay: int = 1  # SCAPE: mask made after step t is used at step t + 1 + mask_delay.
     sparse_warmup_steps: int = 10  # SCAPE, LocalAdamS, TopKAdamS: dense steps before sparsity starts.
     local_schedule: str = "staggered"  # LocalAdamS: staggered | periodic averaging.
-    local_wire: str = "float32"  # LocalAdamS: float32 values | bfloat16 changes since the last average.
+    local_wire: str = "bfloat16"  # LocalAdamS: bfloat16 changes since the last average | float32 values.
     unselected: str = "decay_m"  # SCAPE: policy of unselected coordinates (freeze | decay_m).
     error_feedback: bool = False  # SCAPE: keep the unsent gradient as a local residual.
     refresh_every: int = 0  # SCAPE: every this many steps a dense step (0: never).

@@ -49,7 +49,7 @@ def _make(kind: str, params: object, density: float) -> torch.optim.Optimizer:
         return TopKAdamS(params, **kw)
     if kind.endswith("-bf16"):
         return LocalAdamS(params, schedule=kind[:-5], wire_dtype=torch.bfloat16, **kw)
-    return LocalAdamS(params, schedule=kind, **kw)
+    return LocalAdamS(params, schedule=kind, wire_dtype=torch.float32, **kw)
 
 
 def _rank_run(rank: int, ws: int, kind: str, density: float) -> dict:
@@ -255,7 +255,7 @@ def _rank_resume(rank: int, ws: int, kind: str, via: str) -> dict:
     return {"cont": cont, "again": again}
 
 
-@pytest.mark.parametrize("kind", ["staggered", "topk"])
+@pytest.mark.parametrize("kind", ["staggered", "staggered-bf16", "topk"])
 @pytest.mark.parametrize("via", ["snapshot", "state_dict"])
 def test_resume_is_bitwise(kind: str, via: str) -> None:
     res = run_ranks(_rank_resume, 2, kind, via, timeout=120, op_timeout=60)
