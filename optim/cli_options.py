@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from optim.local import LOCAL_SCHEDULES
+from optim.local import LOCAL_SCHEDULES, NORMALIZERS
 from optim.scape import MASK_SCORES, UNSELECTED_POLICIES
 from optim.tasks import ARCHS, CORPORA, TASKS
 from optim.train import TrainConfig
@@ -56,6 +56,12 @@ def add_scape_options(p: argparse.ArgumentParser, d: TrainConfig) -> None:
         default=d.local_wire,
         help="LocalAdamS: average float32 values, or bfloat16 changes since the last average (twice the positions)",
     )
+    p.add_argument(
+        "--local-normalizer",
+        choices=NORMALIZERS,
+        default=d.local_normalizer,
+        help="LocalAdamS: AdamS normalizer of the averaged gradient (debiased) or of this rank's own (local)",
+    )
     p.add_argument("--mask-delay", type=int, default=d.mask_delay, help="SCAPE: mask delay D")
     p.add_argument("--unselected", choices=UNSELECTED_POLICIES, default=d.unselected, help="SCAPE: unselected policy")
     p.add_argument("--error-feedback", action="store_true", help="SCAPE: keep the unsent gradient as a residual")
@@ -91,6 +97,7 @@ def scape_settings(args: argparse.Namespace) -> dict[str, Any]:
         "sparse_warmup_steps": args.warmup_steps,
         "local_schedule": args.local_schedule,
         "local_wire": args.local_wire,
+        "local_normalizer": args.local_normalizer,
         "mask_delay": args.mask_delay,
         "unselected": args.unselected,
         "error_feedback": args.error_feedback,

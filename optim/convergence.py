@@ -49,16 +49,38 @@ TARGETS = {0.1: 1.02, 0.01: 1.05}
 OnRun = Callable[[dict[str, Any]], None]
 
 
-METHODS = ("scape", "local", "local16", "periodic", "topk")
-"""Sparse methods a convergence run can compare, each at every density: SCAPE, LocalAdamS
-(staggered window; ``local16`` with bfloat16 changes, a window twice as wide), LocalAdamS (periodic
-dense averaging) and TopKAdamS (top-k + error feedback)."""
+METHODS = ("scape", "local", "local-plain", "local-f32", "periodic", "topk")
+"""Sparse methods a convergence run can compare, each at every density: SCAPE; LocalAdamS with its
+defaults (``local``: staggered window of bfloat16 changes, debiased normalizer), with plain
+per-rank AdamS (``local-plain``), with float32 values and plain AdamS (``local-f32``), with a
+periodic dense float32 average and plain AdamS (``periodic``); TopKAdamS (top-k + error feedback)."""
 
 _METHOD_OVERRIDES: dict[str, dict[str, Any]] = {
     "scape": {"optimizer": "scape"},
-    "local": {"optimizer": "local-adams", "local_schedule": "staggered", "local_wire": "float32"},
-    "local16": {"optimizer": "local-adams", "local_schedule": "staggered", "local_wire": "bfloat16"},
-    "periodic": {"optimizer": "local-adams", "local_schedule": "periodic", "local_wire": "float32"},
+    "local": {
+        "optimizer": "local-adams",
+        "local_schedule": "staggered",
+        "local_wire": "bfloat16",
+        "local_normalizer": "debiased",
+    },
+    "local-plain": {
+        "optimizer": "local-adams",
+        "local_schedule": "staggered",
+        "local_wire": "bfloat16",
+        "local_normalizer": "local",
+    },
+    "local-f32": {
+        "optimizer": "local-adams",
+        "local_schedule": "staggered",
+        "local_wire": "float32",
+        "local_normalizer": "local",
+    },
+    "periodic": {
+        "optimizer": "local-adams",
+        "local_schedule": "periodic",
+        "local_wire": "float32",
+        "local_normalizer": "local",
+    },
     "topk": {"optimizer": "topk-adams"},
 }
 

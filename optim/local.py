@@ -22,7 +22,14 @@ dense AdamS, and the loss gap grows with training (``benchmarks/README.md``,
 
     The first ``warmup_steps`` steps average the gradients instead (one dense
     all-reduce each), so every rank starts the local phase from the same,
-    well-conditioned state. Between averages the replicas differ: evaluate or
+    well-conditioned state. By default the window carries bfloat16 changes
+    since the last average (twice the positions for the same bytes), and each
+    rank's AdamS normalizer is *debiased*: a rank's gradient carries
+    ``world_size`` times the noise of the averaged gradient dense AdamS
+    normalizes by, which shrinks the steps of low-signal coordinates by up to
+    ``sqrt(world_size)`` (slow escapes from loss plateaus); the excess noise,
+    estimated per coordinate from the rank's own gradient history, is taken
+    out of the normalizer. Between averages the replicas differ: evaluate or
     save the model inside :meth:`LocalAdamS.averaged`, or call
     :meth:`LocalAdamS.average_params` once training is over.
 
@@ -32,8 +39,9 @@ dense AdamS, and the loss gap grows with training (``benchmarks/README.md``,
     indices), keeps the rest, and all ranks apply the same AdamS step to the
     average of everyone's entries. The replicas stay identical.
 
-Memory: a full fp32 first moment on every rank (plus the residual for
-:class:`TopKAdamS`), instead of SCAPE's ``1/world_size`` share. The parameter
+Memory: a full fp32 first moment on every rank (LocalAdamS's defaults add
+a second-moment EMA, the anchor and a bfloat16 buffer; TopKAdamS a residual),
+instead of SCAPE's ``1/world_size`` share. The parameter
 layout, gradient gathering and parameter following are those of
 :class:`optim.sharded.ShardedAdamS` (one flat fp32 buffer that the parameters
 view). Snapshots and state dicts hold this rank's whole replica (parameters,
@@ -60,12 +68,13 @@ from optim.sharded import ShardedAdamS, take_written
 from sparsecomm.collectives import sparse_all_reduce
 from sparsecomm.mask import ShardedMask, k_for
 
-__all__ = ["LOCAL_SCHEDULES", "WIRE_DTYPES", "LocalAdamS", "ReplicatedAdamS", "TopKAdamS"]
+__all__ = ["LOCAL_SCHEDULES", "NORMALIZERS", "WIRE_DTYPES", "LocalAdamS", "ReplicatedAdamS", "TopKAdamS"]
 
 logger = logging.getLogger(__name__)
 
 LOCAL_SCHEDULES = ("staggered", "periodic")
 WIRE_DTYPES = (torch.float32, torch.bfloat16)
+NORMALIZERS = ("debiased", "local")
 
 
 def _check_density(density: object) -> float:
@@ -138,7 +147,9 @@ class ReplicatedAdamS(ShardedAdamS):
         else:
             g = self._sparse_grad(t, g)
         self._clip(g, sharded=False)
-        self._update(self._flat, {"exp_avg": self._m}, g, t + 1, None, segments=b.full_segments)
+        self._local_phase = t >= self.warmup_steps
+        state = {"exp_avg": self._m, **self._extra_moments()}
+        self._update(self._flat, state, g, t + 1, None, segments=b.full_segments)
         if t >= self.warmup_steps:
             self._average(t)
         b.write_params(self._flat)
@@ -147,6 +158,10 @@ class ReplicatedAdamS(ShardedAdamS):
     def _sparse_grad(self, t: int, g: Tensor) -> Tensor:
         """The gradient of a step after the warm-up (``g``: this rank's own)."""
         return g
+
+    def _extra_moments(self) -> dict[str, Tensor]:
+        """Full-size state tensors the update needs beyond the first moment."""
+        return {}
 
     def _average(self, t: int) -> None:
         """Average (part of) the replicas after the update of step ``t``."""
@@ -263,6 +278,15 @@ class LocalAdamS(ReplicatedAdamS):
             same on every rank. ``torch.float32`` averages the parameter values
             themselves (no anchor). The default is the better of the two in
             the worst case of the convergence suite (``benchmarks/README.md``).
+        normalizer: ``"debiased"`` (default): in the local phase, AdamS's
+            normalizer is built as dense AdamS's would be from the averaged
+            gradient -- the noise of this rank's gradient above ``1/world_size``
+            of it, estimated per coordinate from the rank's own history, is
+            taken out (one more full fp32 state vector). ``"local"``: plain
+            AdamS on this rank's gradient, whose normalizer carries
+            ``world_size`` times the noise, so low-signal coordinates move up to
+            ``sqrt(world_size)`` times less than under dense AdamS (slower off
+            loss plateaus).
 
     Raises:
         ValueError: Bad arguments (before any communication, the same on every rank).
@@ -283,10 +307,14 @@ class LocalAdamS(ReplicatedAdamS):
         group: Any = None,
         *,
         wire_dtype: torch.dtype = torch.bfloat16,
+        normalizer: str = "debiased",
         wd_min_ndim: int = 2,
     ) -> None:
         if schedule not in LOCAL_SCHEDULES:
             raise ValueError(f"Invalid schedule: {schedule!r} (must be one of {LOCAL_SCHEDULES})")
+        if normalizer not in NORMALIZERS:
+            raise ValueError(f"Invalid normalizer: {normalizer!r} (must be one of {NORMALIZERS})")
+        self.normalizer = normalizer
         if wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"Invalid wire_dtype: {wire_dtype!r} (must be one of {WIRE_DTYPES})")
         self.schedule = schedule
@@ -308,15 +336,55 @@ class LocalAdamS(ReplicatedAdamS):
             bias_correction,
             group,
             wd_min_ndim=wd_min_ndim,
-            config=f"LocalAdamS|{schedule}|{wire_dtype}",
+            config=f"LocalAdamS|{schedule}|{wire_dtype}|{normalizer}",
         )
         b = self._bucket
         self.k = k_for(b.numel, b.world_size, self.wire_density)
+        self._s = self._bucket.new_flat() if normalizer == "debiased" else None
         self._anchor: Tensor | None = None
         self._delta: Tensor | None = None
         if wire_dtype != torch.float32:
             self._anchor = self._flat.clone()
             self._delta = torch.zeros(b.padded_numel, dtype=wire_dtype, device=self._flat.device)
+
+    def _extra_moments(self) -> dict[str, Tensor]:
+        return {} if self._s is None else {"exp_avg_sq": self._s}
+
+    def _segment_update(
+        self, w: Tensor, state: dict[str, Tensor], g: Tensor, grp: dict[str, Any], wd: float, step: int
+    ) -> None:
+        """AdamS; with the debiased normalizer, the local phase takes the noise of one rank's gradient out.
+
+        ``s`` (EMA of g**2, bias-corrected) minus the squared first moment
+        estimates the variance of this rank's gradient per coordinate. The
+        averaged gradient dense AdamS sees carries ``1/P`` of that variance, so
+        ``(1 - 1/P)`` of it is removed from both terms of the normalizer
+        (the first moment carries ``(1 - beta1) / (1 + beta1)`` of it), each term
+        kept at or above what the averaged gradient would leave.
+        """
+        s = state.get("exp_avg_sq")
+        if s is None:
+            super()._segment_update(w, state, g, grp, wd, step)
+            return
+        beta1, beta2 = grp["betas"]
+        s.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+        p = self._bucket.world_size
+        if not self._local_phase or p == 1:  # averaged gradients (or one rank): plain AdamS
+            super()._segment_update(w, state, g, grp, wd, step)
+            return
+        m = state["exp_avg"]
+        lr, eps = float(grp["lr"]), grp["eps"]
+        c = 1.0 - beta1**step
+        excess = 1.0 - 1.0 / p
+        m_prev2 = (m / c).square_()
+        var = (s / (1.0 - beta2**step)).sub_(m_prev2).clamp_(min=0.0)
+        m_prev2.sub_(var * (excess * (1.0 - beta1) / (1.0 + beta1))).clamp_(min=0.0)
+        g2 = torch.maximum(g * g - excess * var, var / p)
+        nu = m_prev2.mul_(beta2).add_(g2, alpha=1.0 - beta2)
+        m.lerp_(g, 1.0 - beta1)
+        if wd != 0.0:
+            w.mul_(1.0 - lr * wd)
+        w.addcdiv_(m, nu.sqrt_().add_(eps), value=-lr / c)
 
     def window(self, t: int) -> ShardedMask:
         """The positions averaged after step ``t`` (staggered): the same window in every shard."""
@@ -341,8 +409,8 @@ class LocalAdamS(ReplicatedAdamS):
         super()._run(t)
 
     def _average(self, t: int) -> None:
-        if not self.is_average_step(t):
-            return
+        if not self.is_average_step(t) or self._bucket.world_size == 1:
+            return  # one rank: nothing to average (and no bfloat16 rounding of its own changes)
         n, flat = self._bucket.numel, self._flat
         if self._anchor is None or self._delta is None:
             if self.schedule == "periodic":
@@ -365,7 +433,7 @@ class LocalAdamS(ReplicatedAdamS):
         flat[pos] = anchor[pos]
 
     def _full_state(self) -> dict[str, Tensor]:
-        out = super()._full_state()
+        out = {**super()._full_state(), **self._extra_moments()}
         if self._anchor is not None:
             out["anchor"] = self._anchor
         return out

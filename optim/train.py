@@ -43,7 +43,7 @@ import sparsecomm.distributed as dist
 from bindings.launch import detect_launch
 from bindings.spawn import run_local
 from optim.data import DEFAULT_MAX_BYTES
-from optim.local import LOCAL_SCHEDULES, LocalAdamS, TopKAdamS
+from optim.local import LOCAL_SCHEDULES, NORMALIZERS, LocalAdamS, TopKAdamS
 from optim.model import GPTConfig
 from optim.scape import MASK_SCORES, SCAPE, UNSELECTED_POLICIES
 from optim.sharded import ShardedAdamS, ShardedAdamW
@@ -98,6 +98,7 @@ class TrainConfig:
     sparse_warmup_steps: int = 10  # SCAPE, LocalAdamS, TopKAdamS: dense steps before sparsity starts.
     local_schedule: str = "staggered"  # LocalAdamS: staggered | periodic averaging.
     local_wire: str = "bfloat16"  # LocalAdamS: bfloat16 changes since the last average | float32 values.
+    local_normalizer: str = "debiased"  # LocalAdamS: debiased | local (see optim.LocalAdamS).
     unselected: str = "decay_m"  # SCAPE: policy of unselected coordinates (freeze | decay_m).
     error_feedback: bool = False  # SCAPE: keep the unsent gradient as a local residual.
     refresh_every: int = 0  # SCAPE: every this many steps a dense step (0: never).
@@ -139,6 +140,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.local_wire not in ("float32", "bfloat16"):
             raise ValueError(f"local_wire must be 'float32' or 'bfloat16', got {self.local_wire!r}")
+        if self.local_normalizer not in NORMALIZERS:
+            raise ValueError(f"local_normalizer must be one of {NORMALIZERS}, got {self.local_normalizer!r}")
         if self.local_schedule not in LOCAL_SCHEDULES:
             raise ValueError(f"local_schedule must be one of {LOCAL_SCHEDULES}, got {self.local_schedule!r}")
         if self.unselected not in UNSELECTED_POLICIES:
@@ -205,6 +208,7 @@ class TrainConfig:
                 "schedule": self.local_schedule,
                 "warmup_steps": self.sparse_warmup_steps,
                 "wire_dtype": self.local_wire,
+                "normalizer": self.local_normalizer,
             }
         if self.optimizer == "topk-adams":
             return {"density": self.density, "warmup_steps": self.sparse_warmup_steps}
