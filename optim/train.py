@@ -28,6 +28,7 @@ Entry points:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -308,22 +309,16 @@ def _evaluate(
     Collective. Under :class:`LocalAdamS` the average of the replicas is
     evaluated (:meth:`LocalAdamS.averaged`, counted under ``average``).
     """
-    if isinstance(optimizer, LocalAdamS):
-        with optimizer.averaged():
-            return _evaluate_here(model, task, config, rank)
-    return _evaluate_here(model, task, config, rank)
-
-
-def _evaluate_here(model: torch.nn.Module, task: Task, config: TrainConfig, rank: int) -> float:
-    model.eval()
     total = 0.0
-    with torch.no_grad():
+    averaged = optimizer.averaged() if isinstance(optimizer, LocalAdamS) else contextlib.nullcontext()
+    with averaged, torch.no_grad():
+        model.eval()
         for i in range(config.eval_batches):
             x, y = task.val_batch(i, rank)
             _, loss = model(x, y)
             assert loss is not None
             total += loss.item()
-    model.train()
+        model.train()
     val = torch.tensor([total / config.eval_batches])
     with dist.get_communicator().stats.scope("eval"):
         dist.all_reduce(val, op=dist.ReduceOp.AVG)
