@@ -7,7 +7,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# The default run: SCAPE at density 0.01 on 4 workers + 1 spare, one worker killed at step 150,
+# The default run: LocalAdamS at density 0.01 on 4 workers + 1 spare, one worker killed at step 150,
 # checked against a failure-free reference run (override: make train TRAIN_ARGS="...").
 TRAIN_ARGS ?= --optimizer local-adams --density 0.01 --spares 1 --kill 2@150
 TORCH_SPEC ?= torch==2.13.0
