@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from bindings.stats import ring_bytes
-from optim.bench_cli import format_optimizer_table
-from optim.bench_optimizer import OptimizerBenchConfig, optimizer_bench_worker, summarize_ranks
-from optim.model import GPT
+from optim.cli.bench import format_optimizer_table
+from optim.benchmarks.optimizer import OptimizerBenchConfig, optimizer_bench_worker, summarize_ranks
+from optim.train_job.model import GPT
 from tests.dist.harness import run_ranks
 
 pytestmark = pytest.mark.dist

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from optim.cli import main
-from optim.convergence import convergence_variants, largest_loss_rise
+from optim.cli.main import main
+from optim.benchmarks.convergence import convergence_variants, largest_loss_rise
 
 pytestmark = pytest.mark.dist
 

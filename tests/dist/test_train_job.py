@@ -12,9 +12,9 @@ import pytest
 
 from bindings.spawn import LocalRunError
 from bindings.stats import ring_bytes
-from optim.cli import build_parser, build_report, write_report
-from optim.cli_options import model_settings
-from optim.train import OnStep, TrainConfig, launch_local, lr_at, run_training
+from optim.cli.main import build_parser, build_report, write_report
+from optim.cli.options import model_settings
+from optim.train_job.train import OnStep, TrainConfig, launch_local, lr_at, run_training
 
 pytestmark = pytest.mark.dist
 

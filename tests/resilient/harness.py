@@ -1,4 +1,4 @@
-"""Run ``resilient_comm.drill`` jobs under an in-process :class:`Launcher` and read what happened.
+"""Run ``optim.benchmarks.drill`` jobs under an in-process :class:`Launcher` and read what happened.
 
 The test process hosts the coordinator (through the launcher); the workers and
 spares are real OS processes, killed or stopped by pid. :class:`DrillJob` is a
@@ -103,7 +103,7 @@ class DrillJob:
     ) -> None:
         self.log_dir = Path(log_dir)
         self.steps = steps
-        cmd = [sys.executable, "-m", "resilient_comm.drill", "--steps", str(steps), "--numel", str(numel)]
+        cmd = [sys.executable, "-m", "optim.benchmarks.drill", "--steps", str(steps), "--numel", str(numel)]
         cmd += ["--sleep", str(sleep), "--log", str(self.log_dir), "--resource-every", str(resource_every)]
         config = LaunchConfig(
             nproc=nproc,

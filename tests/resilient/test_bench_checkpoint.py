@@ -7,9 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from optim.bench_checkpoint import RECOVERY_PHASES, CheckpointBenchConfig, overhead_from_events, run_checkpoint_bench
-from optim.bench_checkpoint_cli import format_checkpoint_table
-from optim.resilient_train import ResilienceConfig
+from optim.benchmarks.checkpoint import (
+    RECOVERY_PHASES,
+    CheckpointBenchConfig,
+    overhead_from_events,
+    run_checkpoint_bench,
+)
+from optim.cli.bench_checkpoint import format_checkpoint_table
+from optim.train_job.resilient import ResilienceConfig
 
 
 def test_config_rejects_bad_values() -> None:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from optim.bench_recovery import PHASES, RecoveryBenchConfig, run_recovery_bench
-from optim.bench_recovery_cli import format_recovery_table
+from optim.benchmarks.recovery import PHASES, RecoveryBenchConfig, run_recovery_bench
+from optim.cli.bench_recovery import format_recovery_table
 
 
 def test_config_rejects_bad_values() -> None:

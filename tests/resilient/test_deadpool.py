@@ -1,4 +1,4 @@
-"""Failure-transparent training under real process deaths (``optim.resilient_train``).
+"""Failure-transparent training under real process deaths (``optim.train_job.resilient``).
 
 Every test runs the real job (coordinator in this process, workers and spares
 as OS processes), SIGKILLs workers while steps run, and compares the result
@@ -31,8 +31,8 @@ from typing import Any
 
 import pytest
 
-from optim.resilient_train import ResilienceConfig, run_resilient_training
-from optim.train import TrainConfig
+from optim.train_job.resilient import ResilienceConfig, run_resilient_training
+from optim.train_job.train import TrainConfig
 from tests.resilient.harness import wait_until
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]

@@ -51,7 +51,7 @@ def _imported_modules(path: Path) -> set[str]:
 TRANSPORT_EXCEPTIONS = {
     # The torchft baseline of the recovery benchmark drives torchft's own
     # process groups and stores, as torchft's users do.
-    "optim/bench_torchft.py",
+    "optim/benchmarks/torchft_baseline.py",
 }
 
 

@@ -1,13 +1,13 @@
-"""The training tasks (:mod:`optim.tasks`) and the convergence suite's settings (:mod:`optim.suite`)."""
+"""The training tasks (:mod:`optim.train_job.tasks`) and the suite's settings (:mod:`optim.benchmarks.suite`)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from optim.suite import SETTINGS, SUITE_BASE, worst_case
-from optim.tasks import TaskSpec, make_task, synthetic_text
-from optim.train import TrainConfig
+from optim.benchmarks.suite import SETTINGS, SUITE_BASE, worst_case
+from optim.train_job.tasks import TaskSpec, make_task, synthetic_text
+from optim.train_job.train import TrainConfig
 
 
 def test_synthetic_text_is_deterministic_and_structured() -> None:

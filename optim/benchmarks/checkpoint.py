@@ -1,7 +1,7 @@
 """Checkpoint benchmark: the cost of in-memory snapshots (DeadPool-style checkpointing) and of restoring one.
 
 For each optimizer (SCAPE at ``density``, dense ShardedAdamS) and model size it
-runs the resilient train job (:func:`optim.resilient_train.run_resilient_training`,
+runs the resilient train job (:func:`optim.train_job.resilient.run_resilient_training`,
 ``nproc`` local gloo ranks) twice:
 
 1. **Overhead run** (no failure): snapshots alternate in blocks of ``block``
@@ -22,7 +22,7 @@ runs the resilient train job (:func:`optim.resilient_train.run_resilient_trainin
 2. **Recovery run**: snapshots after every step, slot 1 is SIGKILLed while
    ``kill_step`` runs and a spare takes its place (hot-swap). The phases come
    from the coordinator's and the workers' events
-   (:func:`optim.resilient_cli.failure_timeline` and the ``restored`` events'
+   (:func:`optim.cli.train_resilient.failure_timeline` and the ``restored`` events'
    ``phases_s``).
 
 Separately, :func:`run_loopback` times a large snapshot (``loopback_bytes``)
@@ -33,7 +33,7 @@ a one-way send (acknowledged by 8 bytes) and the
 once, plus its copies into the wire buffer and the ward ring).
 
 Times are wall-clock on a shared machine: medians, but noisy. Nothing prints
-here; :mod:`optim.bench_checkpoint_cli` does.
+here; :mod:`optim.cli.bench_checkpoint` does.
 """
 
 from __future__ import annotations
@@ -52,9 +52,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from optim.resilient_cli import failure_timeline
-from optim.resilient_train import ResilienceConfig, run_resilient_training
-from optim.train import TrainConfig
+from optim.cli.train_resilient import failure_timeline
+from optim.train_job.resilient import ResilienceConfig, run_resilient_training
+from optim.train_job.train import TrainConfig
 from resilient_comm.launcher import LaunchConfig, Launcher
 
 __all__ = [
@@ -312,7 +312,7 @@ def _model_label(d_model: int, n_layers: int) -> str:
 
 
 def _num_parameters(config: TrainConfig) -> int:
-    from optim.model import GPT
+    from optim.train_job.model import GPT
 
     return GPT(config.model_config()).num_parameters()
 
@@ -420,7 +420,7 @@ def run_loopback(nbytes: int, iters: int, *, timeout_s: float = 300.0, out: str 
         old.unlink()
     repo = str(Path(__file__).resolve().parents[1])
     launcher = Launcher(
-        [sys.executable, "-m", "optim.bench_checkpoint", str(logdir), str(nbytes), str(iters)],
+        [sys.executable, "-m", "optim.benchmarks.checkpoint", str(logdir), str(nbytes), str(iters)],
         LaunchConfig(
             nproc=2,
             spares=0,
@@ -457,7 +457,7 @@ def run_loopback(nbytes: int, iters: int, *, timeout_s: float = 300.0, out: str 
 
 
 def _loopback_main(out: str, nbytes: int, iters: int) -> int:
-    """One rank of the loopback job (``python -m optim.bench_checkpoint OUT NBYTES ITERS``)."""
+    """One rank of the loopback job (``python -m optim.benchmarks.checkpoint OUT NBYTES ITERS``)."""
     import torch
 
     from optim.snapshot import Replicator, SnapshotRing
@@ -515,4 +515,4 @@ if __name__ == "__main__":
     code = _loopback_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)  # no interpreter teardown with transports of the job around (as optim.resilient_train)
+    os._exit(code)  # no interpreter teardown with transports of the job around (as optim.train_job.resilient)

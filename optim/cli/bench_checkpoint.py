@@ -7,8 +7,8 @@ import sys
 from typing import Any
 
 from bindings.spawn import LocalRunError
-from optim.bench_checkpoint import RECOVERY_PHASES, CheckpointBenchConfig, run_checkpoint_bench
-from optim.bench_output import write_bench_json
+from optim.benchmarks.checkpoint import RECOVERY_PHASES, CheckpointBenchConfig, run_checkpoint_bench
+from optim.benchmarks.output import write_bench_json
 
 __all__ = ["add_checkpoint_parser", "format_checkpoint_table"]
 

@@ -12,7 +12,8 @@ torchft is imported lazily inside the functions so that importing this module ne
 
 Example::
 
-    python -c "from optim.bench_torchft import run_torchft_recovery as r; import json; print(json.dumps(r(), indent=1))"
+    python -c "from optim.benchmarks.torchft_baseline import run_torchft_recovery as r; import json; \
+        print(json.dumps(r(), indent=1))"
 """
 
 from __future__ import annotations

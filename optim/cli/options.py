@@ -7,8 +7,8 @@ from typing import Any
 
 from optim.local import LOCAL_SCHEDULES, NORMALIZERS
 from optim.scape import MASK_SCORES, UNSELECTED_POLICIES
-from optim.tasks import ARCHS, CORPORA, TASKS
-from optim.train import TrainConfig
+from optim.train_job.tasks import ARCHS, CORPORA, TASKS
+from optim.train_job.train import TrainConfig
 
 __all__ = ["add_model_options", "add_scape_options", "model_settings", "scape_settings"]
 

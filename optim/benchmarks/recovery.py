@@ -1,6 +1,6 @@
 """Recovery benchmark: how fast a fault-aware job gets back to committed steps after a failure.
 
-Each scenario runs :mod:`resilient_comm.drill` (an all_reduce loop with a
+Each scenario runs :mod:`optim.benchmarks.drill` (an all_reduce loop with a
 commit vote) under :class:`resilient_comm.launcher.Launcher` with ``nproc``
 workers and ``spares`` spares on local gloo ranks, waits until step
 ``fault_step`` is committed, then SIGKILLs (or SIGSTOPs) the worker in slot 1
@@ -117,7 +117,7 @@ def run_recovery_scenario(
     cmd = [
         sys.executable,
         "-m",
-        "resilient_comm.drill",
+        "optim.benchmarks.drill",
         "--steps",
         str(steps),
         "--numel",
@@ -251,7 +251,7 @@ def _medians(runs: list[dict[str, Any]]) -> dict[str, float | None]:
 
 def _torchft_rows(config: RecoveryBenchConfig, on_run: Callable[[dict[str, Any]], None] | None) -> list[dict[str, Any]]:
     try:
-        from optim.bench_torchft import run_torchft_recovery
+        from optim.benchmarks.torchft_baseline import run_torchft_recovery
     except ImportError as exc:  # pragma: no cover - optional
         logger.warning("torchft comparison skipped: %s", exc)
         return []

@@ -9,7 +9,7 @@ is a pure function of those numbers):
   interpreter in ``pydoc_data``), ``synthetic`` (a generated language with known
   structure: a seeded random vocabulary, a sparse first-order Markov chain over
   it, and counting sequences) -- or a user's text file. Two model families:
-  ``gpt`` (:class:`optim.model.GPT`: pre-norm blocks, tied head) and
+  ``gpt`` (:class:`optim.train_job.model.GPT`: pre-norm blocks, tied head) and
   ``encoder`` (:class:`torch.nn.TransformerEncoder` with a causal mask, an
   untied head).
 * ``digits``: classification of scikit-learn's bundled 8x8 digits (1,797
@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from optim.data import VOCAB_SIZE, Corpus, encode, load_corpus, sample_batch, stream_seed
-from optim.model import GPT, GPTConfig
+from optim.train_job.data import VOCAB_SIZE, Corpus, encode, load_corpus, sample_batch, stream_seed
+from optim.train_job.model import GPT, GPTConfig
 
 __all__ = [
     "ARCHS",

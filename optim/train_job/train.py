@@ -43,12 +43,12 @@ import torch
 import sparsecomm.distributed as dist
 from bindings.launch import detect_launch
 from bindings.spawn import run_local
-from optim.data import DEFAULT_MAX_BYTES
 from optim.local import LOCAL_SCHEDULES, NORMALIZERS, LocalAdamS, TopKAdamS
-from optim.model import GPTConfig
 from optim.scape import MASK_SCORES, SCAPE, UNSELECTED_POLICIES
 from optim.sharded import ShardedAdamS, ShardedAdamW
-from optim.tasks import Task, TaskSpec, make_task
+from optim.train_job.data import DEFAULT_MAX_BYTES
+from optim.train_job.model import GPTConfig
+from optim.train_job.tasks import Task, TaskSpec, make_task
 
 __all__ = [
     "OPTIMIZERS",

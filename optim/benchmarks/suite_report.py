@@ -1,4 +1,4 @@
-"""Tables and a plot of a convergence-suite record (:func:`optim.suite.run_suite`), for the CLI."""
+"""Tables and a plot of a convergence-suite record (:func:`optim.benchmarks.suite.run_suite`), for the CLI."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A fault drill worker: ``python -m resilient_comm.drill`` under :func:`resilient_comm.launcher.launch`.
+"""A fault drill worker: ``python -m optim.benchmarks.drill`` under :func:`resilient_comm.launcher.launch`.
 
 Each process loops ``all_reduce`` steps over a :class:`FaultAwareCommunicator`,
 checks every sum against the value expected for the current membership, votes
@@ -77,7 +77,7 @@ class _Log:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the drill (see the module docstring); returns the exit status."""
-    p = argparse.ArgumentParser(prog="python -m resilient_comm.drill", description="all_reduce fault drill")
+    p = argparse.ArgumentParser(prog="python -m optim.benchmarks.drill", description="all_reduce fault drill")
     p.add_argument("--steps", type=int, default=50, help="committed steps to run")
     p.add_argument("--numel", type=int, default=1 << 16, help="float32 elements per all_reduce")
     p.add_argument("--sleep", type=float, default=0.0, help="seconds of 'compute' per step")

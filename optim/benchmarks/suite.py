@@ -1,7 +1,7 @@
 """The convergence suite: every optimizer on settings that differ in data, model family and schedule.
 
 One setting alone can be fooled (defaults tuned on it, a schedule that hides a
-slow method); the suite runs :func:`optim.convergence.run_convergence` on each
+slow method); the suite runs :func:`optim.benchmarks.convergence.run_convergence` on each
 of :data:`SETTINGS` at each horizon (300 and 1,000 steps by default), with
 the same seeds and data order for every optimizer, and reduces the result to:
 
@@ -10,7 +10,7 @@ the same seeds and data order for every optimizer, and reduces the result to:
   their ratio to dense AdamS's), and its largest training-loss rise after the
   warm-up next to the largest rise of the dense runs;
 * per method and density, the worst ratio over the whole suite at each
-  horizon, and whether it meets :data:`optim.convergence.TARGETS`.
+  horizon, and whether it meets :data:`optim.benchmarks.convergence.TARGETS`.
 
 A setting with a constant learning rate (no warm-up, ``min_lr_ratio`` 1) is
 trained once, to the longest horizon, and read at every horizon: its first
@@ -29,8 +29,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from optim.convergence import METHODS, TARGETS, run_convergence
-from optim.train import TrainConfig
+from optim.benchmarks.convergence import METHODS, TARGETS, run_convergence
+from optim.train_job.train import TrainConfig
 
 __all__ = ["HORIZONS", "SETTINGS", "SUITE_BASE", "run_suite", "worst_case"]
 
@@ -145,7 +145,7 @@ def run_suite(
         horizons: Steps at which to judge; each must be a multiple of the
             evaluation interval (100).
         densities: Densities of every sparse method.
-        methods: Sparse methods (:data:`optim.convergence.METHODS`).
+        methods: Sparse methods (:data:`optim.benchmarks.convergence.METHODS`).
         overrides: TrainConfig fields applied on top of every setting (e.g. ``nproc``).
         on_run: Called with ``(setting, steps, run record)`` when a run finishes.
 

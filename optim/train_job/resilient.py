@@ -4,9 +4,9 @@ The parent (:func:`run_resilient_training`) starts a coordinator, ``nproc``
 workers and ``spares`` spares with :class:`resilient_comm.launcher.Launcher`,
 SIGKILLs the workers named by ``kills`` (``(slot, step)``: while that step
 runs) from outside, and collects the result. Every worker
-(``python -m optim.resilient_train SPEC``) runs :func:`worker_main`:
+(``python -m optim.train_job.resilient SPEC``) runs :func:`worker_main`:
 
-* the step loop of :func:`optim.train.train_worker` (same model, data order
+* the step loop of :func:`optim.train_job.train.train_worker` (same model, data order
   from ``(seed, step, slot)``, learning-rate schedule, sharded optimizer) over
   a :class:`~resilient_comm.FaultAwareCommunicator`, with a commit vote after
   each ``optimizer.step()``: a step counts everywhere or nowhere;
@@ -53,8 +53,8 @@ from bindings.store import open_store
 from optim.local import LocalAdamS, ReplicatedAdamS
 from optim.scape import SCAPE
 from optim.snapshot import Replicator, SnapshotRing, UnrecoverableStateError, decode_tree
-from optim.tasks import make_task
-from optim.train import TrainConfig, _evaluate, build_optimizer, lr_at
+from optim.train_job.tasks import make_task
+from optim.train_job.train import TrainConfig, _evaluate, build_optimizer, lr_at
 from resilient_comm import FaultAwareCommunicator, Reconfiguration
 from resilient_comm.keys import COMMITTED
 from resilient_comm.launcher import LaunchConfig, Launcher
@@ -547,7 +547,7 @@ class _Worker:
 
 
 def worker_main(spec_path: str) -> int:
-    """Entry point of one worker (``python -m optim.resilient_train SPEC``)."""
+    """Entry point of one worker (``python -m optim.train_job.resilient SPEC``)."""
     spec = json.loads(Path(spec_path).read_text())
     train = spec["train"]
     train["betas"] = tuple(train["betas"])
@@ -584,7 +584,7 @@ def run_resilient_training(config: TrainConfig, res: ResilienceConfig, out: str 
     spec_path.write_text(json.dumps(spec))
     repo = str(Path(__file__).resolve().parents[1])
     launcher = Launcher(
-        [sys.executable, "-m", "optim.resilient_train", str(spec_path)],
+        [sys.executable, "-m", "optim.train_job.resilient", str(spec_path)],
         LaunchConfig(
             nproc=config.nproc,
             spares=res.spares,

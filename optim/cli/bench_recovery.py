@@ -6,8 +6,8 @@ import argparse
 import sys
 from typing import Any
 
-from optim.bench_output import write_bench_json
-from optim.bench_recovery import PHASES, RecoveryBenchConfig, run_recovery_bench
+from optim.benchmarks.output import write_bench_json
+from optim.benchmarks.recovery import PHASES, RecoveryBenchConfig, run_recovery_bench
 
 __all__ = ["add_recovery_parser", "format_recovery_table"]
 
@@ -70,7 +70,7 @@ def add_recovery_parser(inner: Any) -> None:
     p = inner.add_parser(
         "recovery",
         help="time from a SIGKILL / SIGSTOP to survivors raising, the new epoch and the first committed step",
-        description="Fault-aware all_reduce jobs on local gloo ranks (resilient_comm.drill under our launcher).",
+        description="Fault-aware all_reduce jobs on local gloo ranks (optim.benchmarks.drill under our launcher).",
     )
     p.add_argument("--nproc", type=int, nargs="+", default=[4, 8], help="worker counts (default 4 8)")
     p.add_argument("--spares", type=int, default=1, help="spares (0: shrink; default 1: hot-swap)")

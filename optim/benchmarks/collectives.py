@@ -38,7 +38,7 @@ import torch
 import sparsecomm.distributed as dist
 from bindings.reference import raw_collectives
 from bindings.spawn import mpirun_python, run_local
-from sparsecomm.bench_sparse import bench_sparse_rank
+from optim.benchmarks.sparse_ops import bench_sparse_rank
 
 __all__ = [
     "CollectivesBenchConfig",
@@ -89,7 +89,7 @@ class CollectivesBenchConfig:
     dense: bool = True
     """Run the dense sweep (ours vs the raw transport)."""
     sparse: bool = False
-    """Add the sparse rows (:mod:`sparsecomm.bench_sparse`)."""
+    """Add the sparse rows (:mod:`optim.benchmarks.sparse_ops`)."""
     sparse_numels: tuple[int, ...] = (1 << 24,)
     """Buffer sizes N (elements) of the sparse rows."""
     densities: tuple[float, ...] = (1.0, 0.1, 0.01, 0.001)
@@ -281,7 +281,7 @@ def _run_under_mpirun(config: CollectivesBenchConfig) -> list[dict[str, Any]]:
         out_path = os.path.join(tmp, "rows.json")
         with open(cfg_path, "w") as f:
             json.dump(asdict(config), f)
-        cmd = mpirun_python(config.nproc, ["-m", "sparsecomm.bench", cfg_path, out_path])
+        cmd = mpirun_python(config.nproc, ["-m", "optim.benchmarks.collectives", cfg_path, out_path])
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=config.timeout_s)
         if proc.returncode != 0:
             raise RuntimeError(
@@ -292,7 +292,7 @@ def _run_under_mpirun(config: CollectivesBenchConfig) -> list[dict[str, Any]]:
 
 
 def _mpi_main(argv: Sequence[str]) -> None:
-    """Entry point of each rank under mpirun: ``python -m sparsecomm.bench CONFIG OUT``."""
+    """Entry point of each rank under mpirun: ``python -m optim.benchmarks.collectives CONFIG OUT``."""
     cfg_path, out_path = argv
     with open(cfg_path) as f:
         raw = json.load(f)

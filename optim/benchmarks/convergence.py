@@ -1,6 +1,6 @@
 """Convergence benchmark: the training job with each optimizer, same seed and data order.
 
-:func:`run_convergence` trains the model of a base :class:`~optim.train.TrainConfig`
+:func:`run_convergence` trains the model of a base :class:`~optim.train_job.train.TrainConfig`
 once per variant, on ``nproc`` spawned local ranks, one run after the other:
 
 * ``adamw``: :class:`optim.ShardedAdamW` (dense),
@@ -11,14 +11,14 @@ once per variant, on ``nproc`` spawned local ranks, one run after the other:
   ``topk@D`` (:class:`optim.TopKAdamS`) -- the last three put the same value
   bytes on the wire as SCAPE at ``D``.
 
-:mod:`optim.suite` runs this over many settings.
+:mod:`optim.benchmarks.suite` runs this over many settings.
 
 Every run uses the same initialisation and the same batches (both depend on
 the seed only). The result holds, per run, the config, per-step training loss,
 validation losses, the final validation loss and its ratio to dense AdamS, wire
 bytes per step (split by stats op), mean step time and the largest
 step-to-step training-loss rise after warm-up. Nothing here prints or plots
-(``optim.bench_cli`` does).
+(``optim.cli.bench`` does).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from optim.train import SPARSE_OPTIMIZERS, TrainConfig, launch_local, wire_bytes_summary
+from optim.train_job.train import SPARSE_OPTIMIZERS, TrainConfig, launch_local, wire_bytes_summary
 
 __all__ = [
     "DEFAULT_DENSITIES",
@@ -120,7 +120,7 @@ def largest_loss_rise(losses: Sequence[float], first_step: int) -> tuple[float, 
 
 
 def summarize_run(name: str, config: TrainConfig, result: dict[str, Any]) -> dict[str, Any]:
-    """Reduce rank 0's :func:`~optim.train.train_worker` result to the benchmark's record."""
+    """Reduce rank 0's :func:`~optim.train_job.train.train_worker` result to the benchmark's record."""
     steps = result["steps"]
     warm = config.warmup_steps
     if config.optimizer in SPARSE_OPTIMIZERS:

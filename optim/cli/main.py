@@ -26,11 +26,11 @@ import torch
 
 import sparsecomm
 from bindings.spawn import LocalRunError
-from optim.bench_cli import add_bench_parser
-from optim.cli_options import add_model_options, add_scape_options, model_settings, scape_settings
-from optim.launch_cli import add_launch_parsers
-from optim.resilient_cli import add_resilience_options, run_resilient_cmd, wants_resilience
-from optim.train import OPTIMIZERS, TrainConfig, run_training, wire_bytes_summary
+from optim.cli.bench import add_bench_parser
+from optim.cli.launch import add_launch_parsers
+from optim.cli.options import add_model_options, add_scape_options, model_settings, scape_settings
+from optim.cli.train_resilient import add_resilience_options, run_resilient_cmd, wants_resilience
+from optim.train_job.train import OPTIMIZERS, TrainConfig, run_training, wire_bytes_summary
 
 __all__ = [
     "main",
@@ -82,7 +82,7 @@ class TqdmProgress:
 
 
 def build_report(config: TrainConfig, result: dict[str, Any]) -> dict[str, Any]:
-    """Assemble the ``report.json`` content from rank 0's :func:`~optim.train.run_training` result.
+    """Assemble the ``report.json`` content from rank 0's :func:`~optim.train_job.train.run_training` result.
 
     Args:
         config: The run.

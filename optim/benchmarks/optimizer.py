@@ -2,7 +2,7 @@
 
 :func:`run_optimizer_bench` spawns ``nproc`` local gloo ranks
 (:func:`bindings.spawn.run_local`); every rank runs :func:`optimizer_bench_worker`,
-which builds the training job's GPT model (:class:`optim.model.GPT`, same
+which builds the training job's GPT model (:class:`optim.train_job.model.GPT`, same
 initialisation on every rank) and, for each variant
 
 * ``adamw``: :class:`optim.ShardedAdamW` (dense ZeRO-1),
@@ -10,7 +10,7 @@ initialisation on every rank) and, for each variant
 * ``scape@D``: :class:`optim.SCAPE` at each density ``D``,
 
 builds the optimizer exactly as the training job does
-(:func:`optim.train.build_optimizer`: weight decay on matrices, global-norm clip),
+(:func:`optim.train_job.train.build_optimizer`: weight decay on matrices, global-norm clip),
 runs ``warmup`` untimed steps and ``steps`` timed steps of
 ``zero_grad + forward + backward + opt.step()`` on random tokens. SCAPE's own
 dense warm-up (``scape_warmup_steps``) and the first mask's delay fall inside the
@@ -22,7 +22,7 @@ Per variant and rank it measures the median step time and the median time inside
 ``all_reduce(MAX)`` after all variants), the bytes the communicator's stats
 counted over the timed steps (per step, split by op), and the optimizer state this
 rank holds: master shard, ``exp_avg`` (plus ``exp_avg_sq`` for AdamW, plus the
-error-feedback residual when on). Nothing here prints (``optim.bench_cli`` does).
+error-feedback residual when on). Nothing here prints (``optim.cli.bench`` does).
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ import torch
 
 import sparsecomm.distributed as dist
 from bindings.spawn import run_local
-from optim.data import VOCAB_SIZE
-from optim.model import GPT, GPTConfig
 from optim.scape import SCAPE
-from optim.train import TrainConfig, build_optimizer
+from optim.train_job.data import VOCAB_SIZE
+from optim.train_job.model import GPT, GPTConfig
+from optim.train_job.train import TrainConfig, build_optimizer
 
 __all__ = [
     "OptimizerBenchConfig",
@@ -108,7 +108,7 @@ class OptimizerBenchConfig:
         return self.train_config("adams").model_config()
 
     def train_config(self, optimizer: str, density: float = 0.01, world_size: int | None = None) -> TrainConfig:
-        """The :class:`TrainConfig` whose :func:`~optim.train.build_optimizer` builds one variant."""
+        """The :class:`TrainConfig` whose :func:`~optim.train_job.train.build_optimizer` builds one variant."""
         return TrainConfig(
             optimizer=optimizer,
             nproc=world_size or self.nproc,

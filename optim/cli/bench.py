@@ -12,16 +12,16 @@ from typing import Any
 import torch
 
 from bindings.spawn import LocalRunError
-from optim.bench_checkpoint_cli import add_checkpoint_parser
-from optim.bench_optimizer import OptimizerBenchConfig, run_optimizer_bench
-from optim.bench_output import bench_env, write_bench_json
-from optim.bench_recovery_cli import add_recovery_parser
-from optim.cli_options import add_model_options, add_scape_options, model_settings, scape_settings
-from optim.convergence import DEFAULT_DENSITIES, METHODS, run_convergence
-from optim.suite import HORIZONS, SETTINGS
-from optim.train import TrainConfig
-from sparsecomm.bench import OPS, CollectivesBenchConfig, run_collectives_bench
-from sparsecomm.bench_sparse import bench_pack
+from optim.benchmarks.collectives import OPS, CollectivesBenchConfig, run_collectives_bench
+from optim.benchmarks.convergence import DEFAULT_DENSITIES, METHODS, run_convergence
+from optim.benchmarks.optimizer import OptimizerBenchConfig, run_optimizer_bench
+from optim.benchmarks.output import bench_env, write_bench_json
+from optim.benchmarks.sparse_ops import bench_pack
+from optim.benchmarks.suite import HORIZONS, SETTINGS
+from optim.cli.bench_checkpoint import add_checkpoint_parser
+from optim.cli.bench_recovery import add_recovery_parser
+from optim.cli.options import add_model_options, add_scape_options, model_settings, scape_settings
+from optim.train_job.train import TrainConfig
 
 __all__ = [
     "add_bench_parser",
@@ -238,8 +238,8 @@ def write_convergence_plot(bench: dict[str, Any], path: str | Path) -> Path:
 
 
 def _cmd_suite(args: argparse.Namespace) -> int:
-    from optim.suite import run_suite
-    from optim.suite_report import format_suite_table, format_worst_table, write_suite_plot
+    from optim.benchmarks.suite import run_suite
+    from optim.benchmarks.suite_report import format_suite_table, format_worst_table, write_suite_plot
 
     def progress(setting: str, steps: int, r: dict[str, Any]) -> None:
         print(
@@ -350,7 +350,8 @@ def _add_convergence_parser(inner: Any) -> None:
     p.add_argument(
         "--suite",
         action="store_true",
-        help="run the convergence suite (every setting of optim.suite.SETTINGS at every horizon) instead of one "
+        help="run the convergence suite (every setting of optim.benchmarks.suite.SETTINGS at every horizon) "
+        "instead of one "
         "setting; model, schedule and corpus options are then the settings' own. Writes OUT/suite.json and "
         "OUT/suite.png",
     )
