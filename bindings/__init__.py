@@ -14,9 +14,7 @@ from bindings.errors import (
     CommAbortedError,
     CommError,
     CommTimeoutError,
-    MembershipError,
     PeerFailureError,
-    StaleEpochError,
 )
 from bindings.launch import LaunchInfo, detect_launch
 from bindings.ops import ReduceOp, parse_reduce_op
@@ -36,12 +34,10 @@ __all__ = [
     "DoneWork",
     "Handle",
     "LaunchInfo",
-    "MembershipError",
     "OpStats",
     "PeerFailureError",
     "RawWork",
     "ReduceOp",
-    "StaleEpochError",
     "Work",
     "create_communicator",
     "detect_launch",

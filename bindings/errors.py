@@ -2,6 +2,8 @@
 
 Argument problems raise the built-in ``ValueError`` / ``TypeError`` before any
 communication. Faults of the transport itself raise a :class:`CommError`.
+The membership errors of the fault-aware communicator derive from it too and
+live with it in :mod:`resilient_comm.errors`.
 """
 
 from __future__ import annotations
@@ -12,8 +14,6 @@ __all__ = [
     "PeerFailureError",
     "CommAbortedError",
     "CollectiveMismatchError",
-    "MembershipError",
-    "StaleEpochError",
 ]
 
 
@@ -49,15 +49,3 @@ class CollectiveMismatchError(CommError, ValueError):
     ``check_collectives`` in :func:`bindings.create_communicator`).
     """
 
-
-class MembershipError(CommError):
-    """The fault-aware membership cannot go on as asked.
-
-    Raised for: no quorum (a minority of the last view survived), fewer live
-    members than ``min_world_size``, a foreign job id, or a second
-    ``reconfigure()`` while one is running.
-    """
-
-
-class StaleEpochError(MembershipError):
-    """This member acted for an epoch the job has left behind (it was declared failed)."""

@@ -20,8 +20,9 @@ from datetime import timedelta
 
 import torch
 
-from bindings.errors import MembershipError, PeerFailureError
+from bindings.errors import PeerFailureError
 from resilient_comm import FaultAwareCommunicator
+from resilient_comm.errors import MembershipError
 
 
 def expected_sum(step: int, world_size: int) -> float:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from resilient_comm.communicator import FaultAwareCommunicator, Reconfiguration
 from resilient_comm.coordinator import Coordinator, CoordinatorConfig
+from resilient_comm.errors import MembershipError, StaleEpochError
 from resilient_comm.events import EVENTS, EventLog, read_events
 from resilient_comm.membership import StoreMembership
 from resilient_comm.view import MODES, MemberInfo, View
@@ -26,7 +27,9 @@ __all__ = [
     "EventLog",
     "FaultAwareCommunicator",
     "MemberInfo",
+    "MembershipError",
     "Reconfiguration",
+    "StaleEpochError",
     "StoreMembership",
     "View",
     "read_events",

@@ -32,9 +32,10 @@ import torch
 
 from bindings.base import RawWork
 from bindings.communicator import BaseCommunicator
-from bindings.errors import CommError, MembershipError, PeerFailureError, StaleEpochError
+from bindings.errors import CommError, PeerFailureError
 from bindings.ops import ReduceOp
 from bindings.torch_backend import TorchCommunicator, standalone_process_group
+from resilient_comm.errors import MembershipError, StaleEpochError
 from resilient_comm.membership import StoreMembership
 from resilient_comm.view import View
 

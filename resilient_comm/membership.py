@@ -19,9 +19,10 @@ import uuid
 from collections.abc import Callable
 from datetime import timedelta
 
-from bindings.errors import CommTimeoutError, MembershipError
+from bindings.errors import CommTimeoutError
 from bindings.store import Store, open_store, prefix_store
 from resilient_comm import keys
+from resilient_comm.errors import MembershipError
 from resilient_comm.view import ROLES, MemberInfo, View, decode_json
 
 __all__ = ["StoreMembership", "parse_address"]

@@ -37,11 +37,12 @@ import torch
 
 from bindings.base import RawWork
 from bindings.communicator import BaseCommunicator
-from bindings.errors import CommError, CommTimeoutError, MembershipError, PeerFailureError
+from bindings.errors import CommError, CommTimeoutError, PeerFailureError
 from bindings.mpi_backend import MPICommunicator
 from bindings.ops import ReduceOp
 from bindings.ulfm import FtComm, ulfm_support
 from resilient_comm.communicator import Reconfiguration
+from resilient_comm.errors import MembershipError
 
 __all__ = ["UlfmCommunicator", "ulfm_support"]
 

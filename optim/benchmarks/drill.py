@@ -33,8 +33,9 @@ from typing import Any
 
 import torch
 
-from bindings.errors import CommError, MembershipError, PeerFailureError
+from bindings.errors import CommError, PeerFailureError
 from resilient_comm.communicator import FaultAwareCommunicator
+from resilient_comm.errors import MembershipError
 
 __all__ = ["value_for", "expected_sum", "resources", "main"]
 
