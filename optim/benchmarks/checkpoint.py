@@ -418,7 +418,7 @@ def run_loopback(nbytes: int, iters: int, *, timeout_s: float = 300.0, out: str 
     logdir.mkdir(parents=True, exist_ok=True)
     for old in logdir.glob("result-*.json"):
         old.unlink()
-    repo = str(Path(__file__).resolve().parents[1])
+    repo = str(Path(__file__).resolve().parents[2])
     launcher = Launcher(
         [sys.executable, "-m", "optim.benchmarks.checkpoint", str(logdir), str(nbytes), str(iters)],
         LaunchConfig(

@@ -127,7 +127,7 @@ def run_recovery_scenario(
         "--log",
         str(logdir),
     ]
-    repo = str(Path(__file__).resolve().parents[1])
+    repo = str(Path(__file__).resolve().parents[2])
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH", "")]))}
     launcher = Launcher(
         cmd,
