@@ -18,7 +18,8 @@ Protocol of one reconfiguration, from epoch ``e``:
    epoch forms and the job fails (a minority never continues on its own);
 5. the view of ``e + 1``: dead slots go to spares (``hotswap``) or are dropped
    and the rest renumbered in slot order (``shrink``, also the fallback when no
-   spare is left), never below ``min_world_size``;
+   spare is left), never below ``min_world_size``; steps 4 and 5 are
+   :func:`~resilient_comm.plan.plan_next_epoch`;
 6. members build the new transport under the store prefix ``ep{e+1}/`` and
    report ``configured``; a failure meanwhile starts the next round (``e + 2``).
 """
@@ -38,7 +39,9 @@ from typing import Any
 
 from bindings.store import Store, open_store
 from resilient_comm import keys
+from resilient_comm.errors import MembershipError
 from resilient_comm.events import EventLog
+from resilient_comm.plan import plan_next_epoch
 from resilient_comm.view import MODES, MemberInfo, View, decode_json
 
 __all__ = ["Coordinator", "CoordinatorConfig"]
@@ -439,41 +442,32 @@ class Coordinator:
         for m in view.members:
             if m not in acked:
                 self._mark_dead(m, "no ack")
-        if 2 * len(acked) <= view.world_size:
-            raise _JobFailed(
-                f"no quorum: {len(acked)} of epoch {e}'s {view.world_size} members survived (a majority is needed)"
+        with self._lock:
+            spares = list(self._spares)
+        try:
+            plan = plan_next_epoch(
+                e,
+                view.members,
+                set(view.members) - acked,
+                spares,
+                mode=cfg.mode,
+                min_world_size=cfg.min_world_size,
             )
-        slots: list[int | None] = [m if m in acked else None for m in view.members]
-        lost = tuple(s for s, m in enumerate(slots) if m is None)
-        promoted: dict[int, int] = {}
-        if cfg.mode == "hotswap":
-            for s in lost:
-                with self._lock:
-                    spare = self._spares.pop(0) if self._spares else None
-                if spare is None:
-                    break
-                slots[s] = spare
-                promoted[s] = spare
-        new_members = tuple(m for m in slots if m is not None)
-        if len(new_members) < cfg.min_world_size:
-            raise _JobFailed(f"only {len(new_members)} members left, min_world_size is {cfg.min_world_size}")
-        rank_map = {old: new_members.index(m) for old, m in enumerate(view.members) if m in acked}
-        if not lost:
-            mode = "same"
-        elif len(promoted) == len(lost):
-            mode = "hotswap"
-        else:
-            mode = "shrink"
+        except MembershipError as exc:
+            raise _JobFailed(str(exc)) from exc
+        with self._lock:
+            for m in plan.promoted.values():
+                self._spares.remove(m)
         committed = store.get(keys.COMMITTED).decode() if store.check([keys.COMMITTED]) else "-1"
         self._publish(
             View(
-                epoch=e + 1,
+                epoch=plan.epoch,
                 job=cfg.job,
-                members=new_members,
-                lost_slots=lost,
-                promoted=promoted,
-                rank_map=rank_map,
+                members=plan.members,
+                lost_slots=plan.lost_slots,
+                promoted=dict(plan.promoted),
+                rank_map=dict(plan.rank_map),
                 committed_step=int(committed),
-                mode=mode,
+                mode=plan.mode,
             )
         )

@@ -15,7 +15,8 @@ itself (Open MPI 5 started with ``mpirun --with-ft ulfm``):
 * on a failure a member revokes its epoch and the universe (the revoke: peers
   and spares fail fast); :meth:`~UlfmCommunicator.reconfigure` then shrinks
   the universe, every live process gathers who is who over it and computes the
-  next epoch deterministically (hot-swap: survivors keep their slots and the
+  next epoch deterministically with :func:`~resilient_comm.plan.plan_next_epoch`,
+  the coordinator's rule (hot-swap: survivors keep their slots and the
   lowest-ranked spares fill the dead ones; shrink: survivors renumbered in slot
   order), and splits again. Epochs increase by one per reconfiguration on
   every process alike;
@@ -30,7 +31,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -43,54 +43,35 @@ from bindings.ops import ReduceOp
 from bindings.ulfm import FtComm, ulfm_support
 from resilient_comm.communicator import Reconfiguration
 from resilient_comm.errors import MembershipError
+from resilient_comm.plan import EpochPlan, plan_next_epoch
+from resilient_comm.view import MODES
 
 __all__ = ["UlfmCommunicator", "ulfm_support"]
 
 logger = logging.getLogger(__name__)
 
-_MODES = ("hotswap", "shrink")
 # columns of the table every live process shares after a shrink
 _MEMBER, _SLOT, _EPOCH, _WORLD, _CLOSING, _COMMITTED = range(6)
 
 
-@dataclass(frozen=True)
-class _Plan:
-    """The next epoch, computed identically by every live process."""
+def _plan_from_table(rows: list[list[int]], mode: str, min_world_size: int) -> tuple[EpochPlan, int] | None:
+    """The next epoch and the newest committed step, from the shared table; ``None``: the actives are closing.
 
-    epoch: int
-    members: tuple[int, ...]  # member index (COMM_WORLD rank) per new slot
-    rank_map: dict[int, int]
-    promoted: dict[int, int]
-    lost_slots: tuple[int, ...]
-    mode: str
-    committed_step: int
-
-
-def _plan(rows: list[list[int]], mode: str, min_world_size: int) -> _Plan | None:
-    """Compute the next epoch from the shared table; ``None`` when the actives are closing."""
+    Every live process computes the same result from the same table.
+    """
     if any(r[_CLOSING] for r in rows):
         return None
     old_world = max(r[_WORLD] for r in rows)
-    epoch = max(r[_EPOCH] for r in rows) + 1
     actives = {r[_SLOT]: r[_MEMBER] for r in rows if r[_SLOT] >= 0}
-    spares = sorted(r[_MEMBER] for r in rows if r[_SLOT] < 0)
-    if 2 * len(actives) <= old_world:
-        raise MembershipError(f"no quorum: {len(actives)} of epoch {epoch - 1}'s {old_world} members survived")
-    slots: list[int | None] = [actives.get(s) for s in range(old_world)]
-    lost = tuple(s for s, m in enumerate(slots) if m is None)
-    promoted: dict[int, int] = {}
-    if mode == "hotswap":
-        for s in lost:
-            if not spares:
-                break
-            slots[s] = promoted[s] = spares.pop(0)
-    members = tuple(m for m in slots if m is not None)
-    if len(members) < min_world_size:
-        raise MembershipError(f"only {len(members)} members left, min_world_size is {min_world_size}")
-    rank_map = {old: members.index(m) for old, m in actives.items()}
-    kind = "same" if not lost else ("hotswap" if len(promoted) == len(lost) else "shrink")
-    committed = max(r[_COMMITTED] for r in rows)
-    return _Plan(epoch, members, rank_map, promoted, lost, kind, committed)
+    plan = plan_next_epoch(
+        max(r[_EPOCH] for r in rows),
+        [actives.get(s) for s in range(old_world)],
+        (),
+        sorted(r[_MEMBER] for r in rows if r[_SLOT] < 0),  # the lowest-ranked spares first
+        mode=mode,
+        min_world_size=min_world_size,
+    )
+    return plan, max(r[_COMMITTED] for r in rows)
 
 
 class _Work:
@@ -143,8 +124,8 @@ class UlfmCommunicator(BaseCommunicator):
         min_world_size: int = 1,
         check_collectives: bool = False,
     ) -> None:
-        if mode not in _MODES:
-            raise ValueError(f"mode: must be one of {_MODES}, got {mode!r}")
+        if mode not in MODES:
+            raise ValueError(f"mode: must be one of {MODES}, got {mode!r}")
         if not isinstance(reconfigure_timeout, timedelta) or reconfigure_timeout.total_seconds() <= 0:
             raise ValueError(f"reconfigure_timeout: must be a positive datetime.timedelta, got {reconfigure_timeout!r}")
         actives = universe.size - spares
@@ -248,7 +229,7 @@ class UlfmCommunicator(BaseCommunicator):
         return PeerFailureError(f"{message} (epoch {self._epoch}; call reconfigure())", failed_ranks=failed)
 
     # ------------------------------------------------------------------ epochs
-    def _round(self, deadline: float, *, closing: bool) -> _Plan | None:
+    def _round(self, deadline: float, *, closing: bool) -> EpochPlan | None:
         """Shrink the universe, share who is who, and install the next epoch (``None``: job closing)."""
         while True:
             self._universe.revoke()
@@ -264,12 +245,15 @@ class UlfmCommunicator(BaseCommunicator):
                 self._members_count, int(closing), self._committed,
             ]  # fmt: skip
             try:
-                plan = _plan(universe.allgather(row, self._left(deadline)), self._mode, self._min_world_size)
+                table = _plan_from_table(
+                    universe.allgather(row, self._left(deadline)), self._mode, self._min_world_size
+                )
             except PeerFailureError:
                 continue
-            if plan is None:
+            if table is None:
                 return None
-            slot = plan.members.index(self._member) if self._member in plan.members else None
+            plan, committed = table
+            slot = plan.slot_of(self._member)
             try:
                 sub = universe.split(0 if slot is not None else None, slot or 0)
             except PeerFailureError:
@@ -281,16 +265,16 @@ class UlfmCommunicator(BaseCommunicator):
                     sub.revoke()
                     sub.free()
                 continue
-            self._install(plan, slot, sub)
+            self._install(plan, committed, slot, sub)
             return plan
 
-    def _install(self, plan: _Plan, slot: int | None, sub: FtComm | None) -> None:
+    def _install(self, plan: EpochPlan, committed: int, slot: int | None, sub: FtComm | None) -> None:
         old = self._inner
         self._inner = sub.communicator(self.timeout, self.check_collectives) if sub is not None else None
         if old is not None:
             old.abort()  # revoke (already) + free
         self._epoch, self._members_count, self._slot = plan.epoch, len(plan.members), slot
-        self._committed = max(self._committed, plan.committed_step)
+        self._committed = max(self._committed, committed)
         self._failed = False
         if slot is not None:
             self._rank, self._world_size = slot, len(plan.members)
@@ -302,7 +286,7 @@ class UlfmCommunicator(BaseCommunicator):
     def _left(deadline: float) -> float:
         return max(0.0, deadline - time.monotonic())
 
-    def _result(self, old_epoch: int, plan: _Plan) -> Reconfiguration:
+    def _result(self, old_epoch: int, plan: EpochPlan) -> Reconfiguration:
         return Reconfiguration(
             old_epoch=old_epoch,
             epoch=plan.epoch,
@@ -312,7 +296,7 @@ class UlfmCommunicator(BaseCommunicator):
             promoted=dict(plan.promoted),
             lost_slots=plan.lost_slots,
             mode=plan.mode,
-            committed_step=plan.committed_step,
+            committed_step=self._committed,  # the round's: it was at least this process's own
             promoted_here=self._member in plan.promoted.values(),
         )
 
