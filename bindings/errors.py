@@ -48,4 +48,3 @@ class CollectiveMismatchError(CommError, ValueError):
     Raised on every rank by the optional metadata check (see
     ``check_collectives`` in :func:`bindings.create_communicator`).
     """
-

@@ -15,7 +15,15 @@ from __future__ import annotations
 from resilient_comm.communicator import FaultAwareCommunicator, Reconfiguration
 from resilient_comm.coordinator import Coordinator, CoordinatorConfig
 from resilient_comm.errors import MembershipError, StaleEpochError
-from resilient_comm.events import EVENTS, EventLog, read_events
+from resilient_comm.events import (
+    EVENTS,
+    EventFileError,
+    EventLog,
+    EventWriter,
+    ProcessEvents,
+    read_event_dir,
+    read_events,
+)
 from resilient_comm.membership import StoreMembership
 from resilient_comm.view import MODES, MemberInfo, View
 
@@ -24,13 +32,17 @@ __all__ = [
     "MODES",
     "Coordinator",
     "CoordinatorConfig",
+    "EventFileError",
     "EventLog",
+    "EventWriter",
     "FaultAwareCommunicator",
     "MemberInfo",
     "MembershipError",
+    "ProcessEvents",
     "Reconfiguration",
     "StaleEpochError",
     "StoreMembership",
     "View",
+    "read_event_dir",
     "read_events",
 ]

@@ -4,8 +4,8 @@ Each process loops ``all_reduce`` steps over a :class:`FaultAwareCommunicator`,
 checks every sum against the value expected for the current membership, votes
 each step, and on a failure reconfigures and resumes at the last committed
 step. It appends one JSON object per event to ``LOG_DIR/<pid>.jsonl``
-(``time`` is ``time.time()``), which the fault tests and ``sparsecomm bench
-recovery`` read:
+(:class:`~resilient_comm.events.ProcessEvents`; ``time`` is ``time.time()``),
+which the fault tests and ``sparsecomm bench recovery`` read:
 
 * ``joined`` / ``promoted``: epoch, rank, world_size;
 * ``committed``: step, epoch, rank, world_size (every committed step);
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import os
 import sys
@@ -29,13 +28,13 @@ import threading
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from bindings.errors import CommError, PeerFailureError
 from resilient_comm.communicator import FaultAwareCommunicator
 from resilient_comm.errors import MembershipError
+from resilient_comm.events import ProcessEvents
 
 __all__ = ["value_for", "expected_sum", "resources", "main"]
 
@@ -62,20 +61,6 @@ def resources() -> dict[str, int]:
     return {"fds": fds, "threads": threads, "py_threads": threading.active_count(), "rss": rss}
 
 
-class _Log:
-    def __init__(self, directory: str | None) -> None:
-        self._file = None
-        if directory:
-            Path(directory).mkdir(parents=True, exist_ok=True)
-            self._file = open(Path(directory) / f"{os.getpid()}.jsonl", "a", encoding="utf-8")  # noqa: SIM115
-
-    def __call__(self, event: str, **fields: Any) -> None:
-        if self._file is not None:
-            rec = {"time": time.time(), "event": event, "pid": os.getpid(), **fields}
-            self._file.write(json.dumps(rec, sort_keys=True) + "\n")
-            self._file.flush()
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the drill (see the module docstring); returns the exit status."""
     p = argparse.ArgumentParser(prog="python -m optim.benchmarks.drill", description="all_reduce fault drill")
@@ -86,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log", default=None, help="directory of the per-process event files")
     p.add_argument("--resource-every", type=int, default=0, help="log fds/threads/RSS every N steps (0: never)")
     args = p.parse_args(argv)
-    log = _Log(args.log)
+    log = ProcessEvents(args.log)
     comm = FaultAwareCommunicator.connect(timeout=timedelta(seconds=args.timeout))
     step = 0
     try:

@@ -19,7 +19,6 @@ scenario is repeated and the median reported. Nothing prints here; the CLI does.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -34,6 +33,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from resilient_comm.events import read_event_dir
 from resilient_comm.launcher import LaunchConfig, Launcher
 
 __all__ = ["RecoveryBenchConfig", "run_recovery_scenario", "run_recovery_bench", "PHASES"]
@@ -88,16 +88,8 @@ class RecoveryBenchConfig:
 
 
 def _read_logs(directory: Path) -> dict[int, list[dict[str, Any]]]:
-    out: dict[int, list[dict[str, Any]]] = {}
-    for path in directory.glob("*.jsonl"):
-        recs = []
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                recs.append(json.loads(line))
-            except ValueError:
-                continue  # a line cut by a kill
-        out[int(path.stem)] = recs
-    return out
+    """The drill processes' event files, by pid."""
+    return {int(path.stem): recs for path, recs in read_event_dir(directory).items()}
 
 
 def _committed(logs: dict[int, list[dict[str, Any]]], pid: int) -> int:

@@ -19,7 +19,6 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import multiprocessing as mp
 import os
@@ -33,23 +32,23 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from resilient_comm.events import EventWriter, read_events
+
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.005
 _STOP_MARGIN_STEPS = 10
 
 
-def _emit(path: str, kind: str, **fields: Any) -> None:
-    """Appends one timestamped event as a JSON line to ``path``.
+def _emit(events: EventWriter, kind: str, **fields: Any) -> None:
+    """Appends one timestamped event to this replica's event file.
 
     Args:
-        path: Event file of this replica process.
+        events: Event file of this replica process.
         kind: Event name.
         **fields: Extra JSON-serialisable fields.
     """
-    record = {"t": time.time(), "kind": kind, **fields}
-    with open(path, "a", encoding="utf-8") as fh:
-        fh.write(json.dumps(record) + "\n")
+    events.write({"t": time.time(), "kind": kind, **fields})
 
 
 def _read_stop_step(path: str, default: int) -> int:
@@ -88,7 +87,7 @@ def _replica_main(cfg: dict[str, Any]) -> None:
             ``lighthouse_addr``, ``min_replica_size``, ``timeout_s``, ``quorum_timeout_s``, ``connect_timeout_s``,
             ``pg_timeout_s``, ``heartbeat_interval_ms``, ``step_sleep_s``, ``deadline`` (absolute ``time.time()``).
     """
-    events = cfg["events"]
+    events = EventWriter(cfg["events"])
     _emit(events, "process_start", pid=os.getpid())
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
     os.environ.setdefault("RUST_LOG", cfg["rust_log"])
@@ -182,21 +181,8 @@ def _replica_main(cfg: dict[str, Any]) -> None:
 
 
 def _read_events(path: Path) -> list[dict[str, Any]]:
-    """Reads all complete JSON lines of an event file.
-
-    Args:
-        path: Event file.
-
-    Returns:
-        The parsed events in file order; a torn trailing line is skipped.
-    """
-    if not path.exists():
-        return []
-    out: list[dict[str, Any]] = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        with contextlib.suppress(ValueError):
-            out.append(json.loads(line))
-    return out
+    """Reads one replica's event file (none yet: no events; a torn last line is ignored)."""
+    return read_events(path, missing_ok=True)
 
 
 def _last_committed_step(events: list[dict[str, Any]]) -> int:

@@ -8,7 +8,6 @@ a failing test never leaves processes behind. Every wait takes a deadline.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -20,6 +19,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
+from resilient_comm.events import read_event_dir, read_events
 from resilient_comm.launcher import LaunchConfig, Launcher
 
 __all__ = ["DrillJob", "REPO_ROOT", "check_contiguous", "wait_until"]
@@ -39,20 +39,6 @@ def wait_until(pred: Callable[[], T], timeout: float, what: str, interval: float
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(interval)
-
-
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    out = []
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return out
-    for line in text.splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            break  # a line being written right now
-    return out
 
 
 def check_contiguous(records: list[dict[str, Any]]) -> list[int]:
@@ -207,11 +193,11 @@ class DrillJob:
 
     def drill_log(self, pid: int) -> list[dict[str, Any]]:
         """The drill records of process ``pid``."""
-        return _read_jsonl(self.log_dir / f"{pid}.jsonl")
+        return read_events(self.log_dir / f"{pid}.jsonl", missing_ok=True)
 
     def drill_logs(self) -> dict[int, list[dict[str, Any]]]:
         """Every process's drill records, by pid."""
-        return {int(p.stem): _read_jsonl(p) for p in sorted(self.log_dir.glob("*.jsonl"))}
+        return {int(p.stem): recs for p, recs in read_event_dir(self.log_dir).items()}
 
     def drill_events(self, pid: int, name: str) -> list[dict[str, Any]]:
         return [r for r in self.drill_log(pid) if r["event"] == name]

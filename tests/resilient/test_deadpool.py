@@ -33,6 +33,7 @@ import pytest
 
 from optim.train_job.resilient import ResilienceConfig, run_resilient_training
 from optim.train_job.train import TrainConfig
+from resilient_comm.events import read_event_dir
 from tests.resilient.harness import wait_until
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
@@ -275,19 +276,7 @@ class _Job:
             self.error = exc
 
     def events(self, name: str | None = None) -> list[dict[str, Any]]:
-        out = []
-        for path in self.out.glob("*.jsonl"):
-            try:
-                lines = path.read_text(encoding="utf-8").splitlines()
-            except FileNotFoundError:
-                continue
-            for line in lines:
-                try:
-                    e = json.loads(line)
-                except ValueError:
-                    break  # being written
-                if name is None or e["event"] == name:
-                    out.append(e)
+        out = [e for recs in read_event_dir(self.out).values() for e in recs if name is None or e["event"] == name]
         return sorted(out, key=lambda e: e["time"])
 
     def join(self, timeout: float) -> dict[str, Any]:
