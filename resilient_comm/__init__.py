@@ -7,12 +7,16 @@
   communicator whose collectives fail fast on a dead or hung peer and whose
   :meth:`~FaultAwareCommunicator.reconfigure` moves every survivor to the next
   epoch (a spare in the dead slot, or a smaller world);
-* :func:`launch` starts a coordinator, the workers and the spares on this machine.
+* :class:`ResilientCommunicator` is the surface (and call order) both
+  fault-aware communicators offer: :class:`FaultAwareCommunicator` and
+  :class:`~resilient_comm.ulfm.UlfmCommunicator` (MPI ULFM, no coordinator);
+* :func:`~resilient_comm.launcher.launch` starts a coordinator, the workers and
+  the spares on this machine.
 """
 
 from __future__ import annotations
 
-from resilient_comm.communicator import FaultAwareCommunicator, Reconfiguration
+from resilient_comm.communicator import FaultAwareCommunicator
 from resilient_comm.coordinator import Coordinator, CoordinatorConfig
 from resilient_comm.errors import MembershipError, StaleEpochError
 from resilient_comm.events import (
@@ -25,6 +29,7 @@ from resilient_comm.events import (
     read_events,
 )
 from resilient_comm.membership import StoreMembership
+from resilient_comm.protocol import Reconfiguration, ResilientCommunicator
 from resilient_comm.view import MODES, MemberInfo, View
 
 __all__ = [
@@ -40,6 +45,7 @@ __all__ = [
     "MembershipError",
     "ProcessEvents",
     "Reconfiguration",
+    "ResilientCommunicator",
     "StaleEpochError",
     "StoreMembership",
     "View",

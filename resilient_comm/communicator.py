@@ -24,7 +24,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -37,9 +36,10 @@ from bindings.ops import ReduceOp
 from bindings.torch_backend import TorchCommunicator, standalone_process_group
 from resilient_comm.errors import MembershipError, StaleEpochError
 from resilient_comm.membership import StoreMembership
+from resilient_comm.protocol import Reconfiguration
 from resilient_comm.view import View
 
-__all__ = ["FaultAwareCommunicator", "Reconfiguration", "SideChannel", "ENV_ADDRESS", "ENV_JOB", "ENV_ROLE", "ENV_SLOT"]
+__all__ = ["FaultAwareCommunicator", "SideChannel", "ENV_ADDRESS", "ENV_JOB", "ENV_ROLE", "ENV_SLOT"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,35 +50,6 @@ ENV_ROLE = "SPARSECOMM_ROLE"
 ENV_SLOT = "SPARSECOMM_SLOT"
 
 _BACKENDS = ("gloo", "nccl")
-
-
-@dataclass(frozen=True, kw_only=True)
-class Reconfiguration:
-    """What changed when this member moved to a new epoch.
-
-    Attributes:
-        old_epoch: The epoch left (``-1`` for a spare's first epoch).
-        epoch: The epoch joined.
-        rank: This member's rank (= slot) in it.
-        world_size: Members of the new epoch.
-        rank_map: Old rank -> new rank of every member that stayed.
-        promoted: Slot -> member index of each spare promoted into the epoch.
-        lost_slots: Slots of the old epoch whose member failed.
-        mode: ``hotswap``, ``shrink``, ``same`` (nobody lost) or ``start``.
-        committed_step: Last step committed everywhere before the epoch formed.
-        promoted_here: Whether this process is one of the promoted spares.
-    """
-
-    old_epoch: int
-    epoch: int
-    rank: int
-    world_size: int
-    rank_map: dict[int, int] = field(default_factory=dict)
-    promoted: dict[int, int] = field(default_factory=dict)
-    lost_slots: tuple[int, ...] = ()
-    mode: str = "start"
-    committed_step: int = -1
-    promoted_here: bool = False
 
 
 class _GuardedWork:
@@ -209,7 +180,10 @@ class FaultAwareCommunicator(BaseCommunicator):
     Build one per process with :meth:`connect` (reads the launcher's
     environment) or from a :class:`~resilient_comm.membership.StoreMembership`.
     An active member joins the first epoch in the constructor; a spare waits in
-    :meth:`wait_for_promotion`.
+    :meth:`wait_for_promotion`. Satisfies
+    :class:`~resilient_comm.protocol.ResilientCommunicator` (its call order is
+    documented there); :attr:`view`, :attr:`membership` and
+    :attr:`side_channel` are its own.
 
     Args:
         membership: This process's registration with the coordinator.
@@ -251,6 +225,7 @@ class FaultAwareCommunicator(BaseCommunicator):
         self._side: SideChannel | None = None
         self._view: View | None = None
         self._failed_epoch = -1  # newest epoch this member saw fail
+        self._committed = -1  # newest step known committed everywhere
         self._state_lock = threading.Lock()
         self._reconfiguring = threading.Lock()
         if membership.role == "active":
@@ -327,6 +302,19 @@ class FaultAwareCommunicator(BaseCommunicator):
     def member(self) -> int:
         """This process's member index (unique per process start)."""
         return self._m.index
+
+    @property
+    def slot(self) -> int | None:
+        """This member's slot (= rank) in the current epoch; ``None`` for a spare not yet promoted."""
+        return self._rank if self._view is not None else None
+
+    @property
+    def committed_step(self) -> int:
+        """The newest step this member knows to be committed everywhere (``-1``: none).
+
+        A step this member's :meth:`commit` accepted, or the epoch's ``committed_step`` when it joined.
+        """
+        return self._committed
 
     @property
     def membership(self) -> StoreMembership:
@@ -420,6 +408,7 @@ class FaultAwareCommunicator(BaseCommunicator):
                 self._abort_transports(view.epoch)
                 after_epoch = view.epoch
                 continue
+            self._committed = max(self._committed, view.committed_step)
             self._m.configured(view.epoch)
             logger.info("member %d: epoch %d, rank %d of %d", self._m.index, view.epoch, slot, view.world_size)
             return view
@@ -533,7 +522,10 @@ class FaultAwareCommunicator(BaseCommunicator):
             raise MembershipError("commit: this member is not in an epoch")
         limit = self.timeout if timeout is None else timeout
         ok = bool(ok) and not self._epoch_failed(view.epoch)
-        return self._m.vote(view.epoch, step, view.world_size, ok, time.monotonic() + limit.total_seconds())
+        if not self._m.vote(view.epoch, step, view.world_size, ok, time.monotonic() + limit.total_seconds()):
+            return False
+        self._committed = max(self._committed, step)
+        return True
 
     # ------------------------------------------------------------------ transport hooks
     def _current(self, op: str) -> tuple[TorchCommunicator, int]:

@@ -1,8 +1,9 @@
 """``UlfmCommunicator``: the fault-aware communicator over MPI ULFM, with no coordinator.
 
-The MPI counterpart of :class:`~resilient_comm.communicator.FaultAwareCommunicator`
-(same public surface, so callers can use either). Membership lives in MPI
-itself (Open MPI 5 started with ``mpirun --with-ft ulfm``):
+The MPI counterpart of :class:`~resilient_comm.communicator.FaultAwareCommunicator`:
+both satisfy :class:`~resilient_comm.protocol.ResilientCommunicator`, so
+callers written against it can use either. Membership lives in MPI itself
+(Open MPI 5 started with ``mpirun --with-ft ulfm``):
 
 * the **universe** is a duplicate of ``COMM_WORLD``: every live process,
   actives and spares; the last ``spares`` ranks of ``COMM_WORLD`` start as spares;
@@ -41,9 +42,9 @@ from bindings.errors import CommError, CommTimeoutError, PeerFailureError
 from bindings.mpi_backend import MPICommunicator
 from bindings.ops import ReduceOp
 from bindings.ulfm import FtComm, ulfm_support
-from resilient_comm.communicator import Reconfiguration
 from resilient_comm.errors import MembershipError
 from resilient_comm.plan import EpochPlan, plan_next_epoch
+from resilient_comm.protocol import Reconfiguration
 from resilient_comm.view import MODES
 
 __all__ = ["UlfmCommunicator", "ulfm_support"]
@@ -99,9 +100,11 @@ class _Work:
 class UlfmCommunicator(BaseCommunicator):
     """A communicator whose membership survives dead peers, over MPI ULFM.
 
-    Build one per process with :meth:`from_world` (collective over
+    Build one per process with :meth:`connect` (collective over
     ``COMM_WORLD``). Actives hold a slot at once; spares call
-    :meth:`wait_for_promotion`.
+    :meth:`wait_for_promotion`. Satisfies
+    :class:`~resilient_comm.protocol.ResilientCommunicator` (its call order is
+    documented there); :attr:`mode` and :meth:`from_world` are its own.
 
     Args:
         universe: The universe communicator (a handle from :mod:`bindings.ulfm`).
@@ -163,7 +166,7 @@ class UlfmCommunicator(BaseCommunicator):
         min_world_size: int = 1,
         check_collectives: bool = False,
     ) -> UlfmCommunicator:
-        """Collective over ``COMM_WORLD``: its last ``spares`` ranks become spares.
+        """Collective over ``COMM_WORLD``: its last ``spares`` ranks become spares (see the class for the arguments).
 
         Raises:
             RuntimeError: ULFM is unavailable (no mpi4py, not Open MPI, or not
@@ -174,6 +177,27 @@ class UlfmCommunicator(BaseCommunicator):
             raise RuntimeError(f"UlfmCommunicator: ULFM unavailable: {why}")
         return cls(
             FtComm.world(),
+            spares=spares,
+            mode=mode,
+            timeout=timeout,
+            reconfigure_timeout=reconfigure_timeout,
+            min_world_size=min_world_size,
+            check_collectives=check_collectives,
+        )
+
+    @classmethod
+    def connect(
+        cls,
+        *,
+        spares: int = 0,
+        mode: str = "hotswap",
+        timeout: timedelta = timedelta(seconds=30),
+        reconfigure_timeout: timedelta = timedelta(seconds=60),
+        min_world_size: int = 1,
+        check_collectives: bool = False,
+    ) -> UlfmCommunicator:
+        """Join the job: :meth:`from_world` (MPI's ``COMM_WORLD`` is the membership; there is no coordinator)."""
+        return cls.from_world(
             spares=spares,
             mode=mode,
             timeout=timeout,

@@ -82,6 +82,9 @@ def test_pid_of_slot_and_concurrent_reconfigure() -> None:
 
         a, b = _in_threads([lambda: member(0), lambda: member(1)], 60)
         assert (a.epoch, a.rank, b.rank, a.world_size) == (0, 0, 1, 2)
+        assert (a.slot, b.slot, a.committed_step) == (0, 1, -1)
+        assert _in_threads([lambda: a.commit(0), lambda: b.commit(0)], 30) == [True, True]
+        assert a.committed_step == b.committed_step == 0
         assert launcher.pid_of_slot(0) == launcher.pid_of_slot(1) == os.getpid()
         for bad in (99, -1, 2):
             with pytest.raises(ValueError, match="slot"):
@@ -103,6 +106,7 @@ def test_pid_of_slot_and_concurrent_reconfigure() -> None:
         change_a = result["a"]
         assert (change_a.epoch, change_b.epoch) == (1, 1)
         assert change_a.mode == change_b.mode == "same" and change_a.rank_map == {0: 0, 1: 1}
+        assert change_a.committed_step == 0 and (a.slot, b.slot, a.committed_step) == (0, 1, 0)
 
         # epoch 1 works: both ranks get the right sum
         bufs = [torch.full((8,), 1.0), torch.full((8,), 2.0)]

@@ -94,7 +94,7 @@ def main(scenario: str, out: Path) -> None:
         os._exit(0)
     spares = {"shrink": 0, "hotswap": 1, "commit": 1}[scenario]
     mode = "shrink" if scenario == "shrink" else "hotswap"
-    comm = UlfmCommunicator.from_world(spares=spares, mode=mode, timeout=TIMEOUT)
+    comm = UlfmCommunicator.connect(spares=spares, mode=mode, timeout=TIMEOUT)
     data: dict[str, object] = {"out": str(out), "member": comm.member, "start_slot": comm.slot}
     try:
         if comm.slot is None:
