@@ -2,7 +2,7 @@
 
 AdamS (Zhang, Wang, Chen, arXiv:2505.16363) keeps ONE state tensor per parameter,
 the first moment ``m``; the normalizer is formed each step from the PREVIOUS momentum
-and the current gradient (reference notes ``scape_adams.md`` §1.2, §1.3)::
+and the current gradient::
 
     c     = 1 - beta1**t              if bias_correction else 1
     nu_t  = beta2 * (m_{t-1} / c)**2 + (1 - beta2) * g_t**2
@@ -42,7 +42,11 @@ def bias_correction_factor(beta1: float, step: int, bias_correction: bool) -> fl
 
 
 def step_bound(beta1: float, beta2: float, step: int | None = None) -> float:
-    """Bound B on ``|w_t - (1 - lr*wd) w_{t-1}| / lr`` (reference §1.4, Cauchy-Schwarz).
+    """Bound B on ``|w_t - (1 - lr*wd) w_{t-1}| / lr``.
+
+    By Cauchy-Schwarz on ``m_t / c = beta1 * (m_{t-1} / c) + (1 - beta1) * g_t / c`` against
+    ``nu_t = beta2 * (m_{t-1} / c)**2 + (1 - beta2) * g_t**2``:
+    ``B = sqrt(beta1**2 / beta2 + (1 - beta1)**2 / ((1 - beta2) * c**2))``.
 
     Args:
         beta1: First-moment coefficient.

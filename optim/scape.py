@@ -3,7 +3,7 @@
 SCAPE's warm-up and refresh steps are the dense step of
 :class:`optim.sharded.ShardedAdamS`.
 
-SCAPE sparse step t (DESIGN §4, reference ``scape_adams.md`` §2.3, reading R1)::
+One sparse SCAPE step t::
 
     M_t = schedule.mask_for(t)               (built after step t-1-D)
     [error feedback] G += e
@@ -49,7 +49,7 @@ MASK_SCORES = ("abs_m", "abs_m_theta", "abs_m_residual")
 
 
 class SCAPE(ShardedAdamS):
-    """SCAPE: AdamS with sparse, owner-partitioned, delayed masks (DESIGN §4).
+    """SCAPE: AdamS with sparse, owner-partitioned, delayed masks (the step is in the module docstring).
 
     The defaults (10 dense warm-up steps, ``decay_m``, score |m|·|w|, 10%
     exploration, no error feedback, no refresh) are the best of the ablation in

@@ -2,7 +2,7 @@
 
 If every rank packs the same positions, the packed vectors line up element
 by element, so a plain dense collective on the packed buffers is exact and no
-index travels with the data (DESIGN §3). For a flat buffer of N elements in P
+index travels with the data. For a flat buffer of N elements in P
 shards and a :class:`~sparsecomm.mask.ShardedMask` with k positions per shard:
 
 * :func:`sparse_reduce_scatter` packs ``input`` at the mask into P·k values

@@ -1,5 +1,10 @@
-"""AdamS optimizer (:mod:`optim.adams`): invariants T1-T5 of the reference notes
-(``scape_adams.md`` §4) plus the ``torch.optim.Optimizer`` contract."""
+"""AdamS optimizer (:mod:`optim.adams`): five invariants plus the ``torch.optim.Optimizer`` contract.
+
+T1: the first step's closed form (paper form and code form); T2: every step is at
+most ``lr * B`` (:func:`optim.adams.step_bound`); T3: the normalizer uses ``m_{t-1}``,
+not ``m_t``; T4: one state tensor per parameter; T5: a zero gradient with a zero
+momentum gives no update.
+"""
 
 from __future__ import annotations
 
@@ -31,7 +36,7 @@ def _scalar_reference(
     bias_correction: bool,
     wrong: bool = False,
 ) -> list[float]:
-    """Hand-written AdamS on Python floats (reference §1.2 / §1.3); ``wrong`` squares m_t."""
+    """Hand-written AdamS on Python floats (the update of :mod:`optim.adams`); ``wrong`` squares m_t."""
     w, m, out = w0, 0.0, []
     for t, g in enumerate(gs, start=1):
         c = 1 - B1**t if bias_correction else 1.0
@@ -47,7 +52,7 @@ def _scalar_reference(
 def _official_code_step(
     p: torch.Tensor, exp_avg: torch.Tensor, g: torch.Tensor, step: int, lr: float, wd: float
 ) -> None:
-    """The official code's op sequence (reference §1.3), for cross-checking."""
+    """The op sequence of the paper's official code (``new_optimizers.py``), for cross-checking."""
     c = 1 - B1**step
     p.mul_(1 - lr * wd)
     m_hat = exp_avg.div(c)
@@ -57,7 +62,7 @@ def _official_code_step(
 
 
 def _wrong_variant_step_(p: torch.Tensor, m: torch.Tensor, g: torch.Tensor, **kw: float) -> None:
-    """The known wrong third-party variant: nu from the NEW momentum m_t (reference §1.3)."""
+    """The known wrong third-party variant: nu from the NEW momentum m_t."""
     m.lerp_(g, 1 - kw["beta1"])
     denom = (kw["beta2"] * m * m + (1 - kw["beta2"]) * g * g).sqrt_().add_(kw["eps"])
     p.mul_(1 - kw["lr"] * kw["weight_decay"]).addcdiv_(m, denom, value=-kw["lr"])
@@ -144,7 +149,7 @@ def test_step_bound_values() -> None:
 @pytest.mark.parametrize("bias_correction", [False, True])
 @pytest.mark.parametrize("wd", [0.0, 0.1])
 def test_t2_every_step_is_bounded(dtype: torch.dtype, bias_correction: bool, wd: float) -> None:
-    # Bound (reference §1.4): |w_t - (1 - lr*wd) w_{t-1}| <= lr * B, with the paper
+    # Bound (step_bound): |w_t - (1 - lr*wd) w_{t-1}| <= lr * B, with the paper
     # form's constant B = 1.026 for (0.9, 0.95) or, with bias correction, the code
     # form's B_t (4.57 at t = 1, falling to 1.027 by t = 50).
     lr = 0.1
@@ -269,7 +274,7 @@ def test_t4_single_state_tensor_and_state_dict_contents() -> None:
 @pytest.mark.parametrize("bias_correction", [False, True])
 @pytest.mark.parametrize("eps", [1e-8, 1e-30, torch.finfo(torch.float32).tiny])
 def test_t5_zero_gradient_and_zero_momentum_give_no_update(bias_correction: bool, eps: float) -> None:
-    # Reference §1.4: 0 / (0 + eps) = 0 "as long as eps > 0"; eps = 0 gives 0/0 there
+    # 0 / (0 + eps) = 0 as long as eps > 0; eps = 0 gives 0/0 here
     # (and in the official code), so no eps = 0 case is asserted.
     w0 = torch.randn(3, 4)
     p, b = nn.Parameter(w0.clone()), nn.Parameter(torch.ones(4))
@@ -282,7 +287,7 @@ def test_t5_zero_gradient_and_zero_momentum_give_no_update(bias_correction: bool
 
 
 def test_zero_gradient_after_history_coasts_at_b1_over_sqrt_b2() -> None:
-    # m_{t-1} != 0, g = 0: step = lr * b1 / sqrt(b2) * sign(m) = 0.923 lr (reference §2.6)
+    # m_{t-1} != 0, g = 0: step = lr * b1 / sqrt(b2) * sign(m) = 0.923 lr
     p, m = torch.zeros(2, dtype=torch.float64), torch.tensor([3.0, -0.5], dtype=torch.float64)
     adams_step_(p, m, torch.zeros_like(p), lr=1.0, step=500, bias_correction=True, **HYPER)
     torch.testing.assert_close(p, torch.tensor([-1.0, 1.0], dtype=torch.float64) * B1 / B2**0.5)
