@@ -52,7 +52,7 @@ def _scalar_reference(
 def _official_code_step(
     p: torch.Tensor, exp_avg: torch.Tensor, g: torch.Tensor, step: int, lr: float, wd: float
 ) -> None:
-    """The op sequence of the paper's official code (``new_optimizers.py``), for cross-checking."""
+    """The op sequence of the paper's official code (GitHub ``pku-huzhang/AdamS``), for cross-checking."""
     c = 1 - B1**step
     p.mul_(1 - lr * wd)
     m_hat = exp_avg.div(c)
