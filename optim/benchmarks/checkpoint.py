@@ -22,7 +22,7 @@ runs the resilient train job (:func:`optim.train_job.resilient.run_resilient_tra
 2. **Recovery run**: snapshots after every step, slot 1 is SIGKILLed while
    ``kill_step`` runs and a spare takes its place (hot-swap). The phases come
    from the coordinator's and the workers' events
-   (:func:`optim.cli.train_resilient.failure_timeline` and the ``restored`` events'
+   (:func:`optim.train_job.resilient.failure_timeline` and the ``restored`` events'
    ``phases_s``).
 
 Separately, :func:`run_loopback` times a large snapshot (``loopback_bytes``)
@@ -52,8 +52,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from optim.cli.train_resilient import failure_timeline
-from optim.train_job.resilient import ResilienceConfig, run_resilient_training
+from optim.train_job.resilient import ResilienceConfig, failure_timeline, run_resilient_training
 from optim.train_job.train import TrainConfig
 from resilient_comm.launcher import LaunchConfig, Launcher
 

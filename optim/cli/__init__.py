@@ -1,7 +1,1 @@
-"""The ``sparsecomm`` command line: ``main`` dispatches to the subcommands."""
-
-from __future__ import annotations
-
-from optim.cli.main import main
-
-__all__ = ["main"]
+"""The ``sparsecomm`` command line (entry point: :func:`optim.cli.main.main`)."""

@@ -9,10 +9,10 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from optim.train_job.resilient import RECOVERY_MODES, ResilienceConfig, run_resilient_training
+from optim.train_job.resilient import RECOVERY_MODES, ResilienceConfig, failure_timeline, run_resilient_training
 from optim.train_job.train import TrainConfig
 
-__all__ = ["add_resilience_options", "wants_resilience", "run_resilient_cmd", "failure_timeline"]
+__all__ = ["add_resilience_options", "wants_resilience", "run_resilient_cmd"]
 
 
 def _kill(text: str) -> tuple[int, int]:
@@ -41,43 +41,6 @@ def add_resilience_options(p: argparse.ArgumentParser) -> None:
 def wants_resilience(args: argparse.Namespace) -> bool:
     """Whether ``sparsecomm train`` takes the fault-tolerant path."""
     return bool(args.spares > 0 or args.kill)
-
-
-def failure_timeline(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """One record per injected failure: times from the kill to detection, new epoch, restore, first commit."""
-    events = result["events"]
-    out = []
-
-    def first(name: str, t: float) -> float | None:
-        times = [e["time"] for e in events if e["time"] >= t and e["event"] == name]
-        return min(times) - t if times else None
-
-    for kill in result["kills"]:
-        t = kill["time"]
-
-        restored = [e for e in events if e["event"] == "restored" and e["time"] >= t]
-        restore_time = min((e["time"] for e in restored), default=None)
-        first_commits: dict[int, float] = {}
-        if restore_time is not None:
-            for e in events:
-                if e["event"] == "committed" and e["time"] >= restore_time:
-                    first_commits.setdefault(e["pid"], e["time"])
-        rec = restored[0] if restored else {}
-        out.append(
-            {
-                "slot": kill["slot"],
-                "step": kill["step"],
-                "pid": kill["pid"],
-                "detected_s": first("failure_detected", t),
-                "epoch_configured_s": first("epoch_configured", t),
-                "restored_s": (max(e["time"] for e in restored) - t) if restored else None,
-                "resumed_s": (max(first_commits.values()) - t) if first_commits else None,
-                "restore_step": rec.get("restore_step"),
-                "steps_recomputed": max((e.get("steps_recomputed", 0) for e in restored), default=None),
-                "restore_phases_s": rec.get("phases_s"),
-            }
-        )
-    return out
 
 
 def _verdict(run: dict[str, Any], reference: dict[str, Any] | None) -> dict[str, Any]:

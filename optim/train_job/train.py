@@ -325,6 +325,24 @@ def _evaluate(
     return float(val.item())
 
 
+def train_step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, task: Task, config: TrainConfig, step: int, rank: int
+) -> torch.Tensor:
+    """Forward and backward of ``step`` on this rank's batch, with the step's learning rate set; return the loss.
+
+    The batch is a function of ``(seed, step, rank)``, so a step run again sees the same data.
+    """
+    lr = lr_at(config, step)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    x, y = task.train_batch(step, rank)
+    optimizer.zero_grad(set_to_none=True)
+    _, loss = model(x, y)
+    assert loss is not None
+    loss.backward()
+    return loss
+
+
 def train_worker(config: TrainConfig, rank: int, world_size: int, on_step: OnStep | None = None) -> dict[str, Any]:
     """Run the training loop as one rank of an initialised default group.
 
@@ -381,14 +399,8 @@ def train_worker(config: TrainConfig, rank: int, world_size: int, on_step: OnSte
         for step in range(1, config.steps + 1):
             ops0 = stats.as_dict()
             t0 = time.perf_counter()
-            lr = lr_at(config, step)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            x, y = task.train_batch(step, rank)
-            optimizer.zero_grad(set_to_none=True)
-            _, loss = model(x, y)
-            assert loss is not None
-            loss.backward()
+            loss = train_step(model, optimizer, task, config, step, rank)
+            lr = optimizer.param_groups[0]["lr"]
             if sharded:
                 loss_buf[0] = loss.detach()
                 with stats.scope("loss"):

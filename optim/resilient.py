@@ -1,0 +1,565 @@
+"""Failure-transparent training for any training loop (the DeadPool client).
+
+A user keeps their model, data and loop, and writes the loop around
+:class:`ResilientTraining`::
+
+    import optim
+    from optim.resilient import ResilientTraining
+
+    model = build_model()                      # same seed on every process, spares included
+    ft = ResilientTraining(model, lambda m: optim.SCAPE(m.parameters(), lr=1e-3, density=0.01))
+    for step in ft.steps(1000):                # a spare blocks here until it is promoted
+        with ft.step(step):                    # everything of the step, collectives included
+            x, y = batch(step, ft.rank, ft.world_size)   # data: a function of (step, slot)
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            ft.optimizer_step(loss)
+    ft.finish()                                # collective: every member ends with the same model
+
+and runs it under ``sparsecomm launch --nproc 4 --spares 1 -- python train.py``.
+
+**What a step is, and the commit order.** The body of ``with ft.step(step)``
+runs the step; on leaving it the members vote (:meth:`FaultAwareCommunicator.commit`)
+and only then is the step *committed*: its loss is recorded and the state
+after it is snapshotted. The optimizer step runs before the vote; its
+changes, like every other change of the step, count only if the vote
+commits. When a peer fails anywhere in the body (or the vote fails), the
+members move to the next epoch (a spare takes the dead slot, or the world
+shrinks), restore the newest step that every slot still holds, and
+:meth:`steps` goes on from the step after it: at most the failed step is run
+again. An error that is not a peer failure leaves the ``with`` unchanged.
+
+**State.** Every snapshot holds, per slot: the optimizer's state (our sharded
+optimizers: their shard and master weights; a plain ``torch.optim`` optimizer:
+its ``state_dict()`` and the parameters, a replicated copy), the optimizer's
+hyperparameters (``lr`` ...), the model's buffers, the torch CPU RNG, the
+LR scheduler built by ``scheduler`` and every object in ``state`` (anything
+with ``state_dict()`` / ``load_state_dict()``: a data-loader position, a
+``GradScaler``, another RNG). Snapshots stay in memory, double-buffered and
+replicated to the next slot on a background thread.
+
+**Data contract.** A step's batches must be a function of ``(step, rank,
+world_size)`` (plus what ``state`` restores), so a step run again sees the
+same data. Under hot-swap ranks and world size never change, and a run with
+failures follows the failure-free one bit for bit on CPU; a shrink re-shards
+the optimizer over fewer ranks and changes the data split from then on.
+
+The optimizer is rebuilt by ``optimizer(model)`` after every failure: reach
+it through :attr:`ResilientTraining.optimizer`, never through a reference
+kept across steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from types import TracebackType
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+import sparsecomm.distributed as dist
+from bindings.errors import PeerFailureError
+from optim.local import LocalAdamS, ReplicatedAdamS
+from optim.recovery import SlotSnapshots
+from optim.reshard import gather_full_state, restore_resharded
+from optim.scape import SCAPE
+from optim.sharded import _ShardedOptimizer
+from optim.snapshot import UnrecoverableStateError
+from resilient_comm import FaultAwareCommunicator, Reconfiguration
+from sparsecomm.mask import k_for
+
+__all__ = ["ResilientConfig", "ResilientTraining", "Stateful", "UnrecoverableStateError"]
+
+logger = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """Anything whose state a snapshot can hold: an LR scheduler, a ``GradScaler``, a data-loader position."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state (tensors, numbers, strings, lists and dicts of them)."""
+        ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load what :meth:`state_dict` returned."""
+        ...
+
+
+#: ``on_event(name, fields)``: a hook for the job's own event log.
+EventHook = Callable[[str, dict[str, Any]], None]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResilientConfig:
+    """How :class:`ResilientTraining` protects the run.
+
+    Attributes:
+        timeout: Deadline of every collective and of the snapshot copy.
+        snapshots: Keep in-memory snapshots replicated to a buddy (off: a
+            failure restarts the run from step 1, which is still exact).
+        snapshot_block: Benchmarks only: when > 0, snapshots alternate in blocks
+            of this many steps with a snapshot, then as many without, starting
+            with snapshots at step 1. 0: a snapshot after every committed step.
+    """
+
+    timeout: timedelta = timedelta(seconds=60)
+    snapshots: bool = True
+    snapshot_block: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.timeout, timedelta) or self.timeout.total_seconds() <= 0:
+            raise ValueError(f"timeout: must be a positive datetime.timedelta, got {self.timeout!r}")
+        if not isinstance(self.snapshots, bool):
+            raise TypeError(f"snapshots: must be a bool, got {self.snapshots!r}")
+        block = self.snapshot_block
+        if isinstance(block, bool) or not isinstance(block, int) or block < 0:
+            raise ValueError(f"snapshot_block: must be an int >= 0, got {block!r}")
+
+    def snapshots_at(self, step: int) -> bool:
+        """Whether the state after ``step`` is snapshotted."""
+        block = self.snapshot_block
+        return self.snapshots and (block == 0 or ((step - 1) // block) % 2 == 0)
+
+
+def _copy_tensors(tree: Any) -> Any:
+    """``tree`` with every tensor cloned (user state may change in place before the snapshot is copied)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return {k: _copy_tensors(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return [_copy_tensors(v) for v in tree]
+    return tree
+
+
+class _Step:
+    """The context of one step (see :meth:`ResilientTraining.step`)."""
+
+    def __init__(self, owner: ResilientTraining, index: int) -> None:
+        self._owner, self.index = owner, index
+
+    def __enter__(self) -> _Step:
+        self._owner._enter(self.index)
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
+        return self._owner._exit(self.index, exc)
+
+
+class ResilientTraining:
+    """Failure-transparent training around a user's own loop (see the module docstring).
+
+    Args:
+        model: Any module, built identically (same seed) on every process, spares included.
+        optimizer: Builds the optimizer over ``model``: one of ours (``SCAPE``,
+            ``ShardedAdamS``, ``ShardedAdamW``, ``LocalAdamS``, ``TopKAdamS``), or a
+            plain ``torch.optim`` optimizer, whose gradients :meth:`optimizer_step`
+            averages over the ranks first. Called again after every failure.
+        scheduler: Builds an LR scheduler over the optimizer (optional; rebuilt with it).
+        state: More state to snapshot, by name.
+        config: Timeouts and snapshot policy.
+        communicator: A connected fault-aware communicator (default: one is
+            connected from the environment ``sparsecomm launch`` sets, and made
+            the default group of :mod:`sparsecomm.distributed`).
+        on_event: Called with ``(name, fields)`` at ``joined``, ``promoted``,
+            ``committed``, ``failed`` and ``restored``.
+
+    Raises:
+        TypeError: A bad argument.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
+        *,
+        scheduler: Callable[[torch.optim.Optimizer], Stateful] | None = None,
+        state: Mapping[str, Stateful] | None = None,
+        config: ResilientConfig | None = None,
+        communicator: FaultAwareCommunicator | None = None,
+        on_event: EventHook | None = None,
+    ) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        if not callable(optimizer):
+            raise TypeError("optimizer: expected a callable that builds the optimizer from the model")
+        if scheduler is not None and not callable(scheduler):
+            raise TypeError("scheduler: expected a callable that builds the scheduler from the optimizer")
+        state = dict(state or {})
+        for name, obj in state.items():
+            if not isinstance(name, str) or not isinstance(obj, Stateful):
+                raise TypeError(f"state[{name!r}]: expected a str name and an object with state_dict/load_state_dict")
+        self.config = config if config is not None else ResilientConfig()
+        if not isinstance(self.config, ResilientConfig):
+            raise TypeError(f"config: expected a ResilientConfig, got {type(self.config).__name__}")
+        self.model, self._factory, self._sched_factory, self._state = model, optimizer, scheduler, state
+        self._on_event = on_event
+        # torch imports its compiler stack lazily on the first optimizer built (about 1 s): pay it now,
+        # not while every member waits for a promoted spare to rebuild its optimizer.
+        torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+        # the initial state (step 0) is rebuilt from these on every slot: no snapshot of it is needed
+        self._init_model = {k: v.clone() for k, v in model.state_dict().items()}
+        self._init_rng = torch.get_rng_state()
+        self._init_state = {name: _copy_tensors(obj.state_dict()) for name, obj in state.items()}
+        if communicator is None:
+            communicator = FaultAwareCommunicator.connect(
+                timeout=self.config.timeout, side_channel=self.config.snapshots
+            )
+            dist.init_process_group(communicator=communicator)
+        self.comm = communicator
+        self._opt: Any = None
+        self._sched: Stateful | None = None
+        self._snaps = SlotSnapshots(self.comm, self.config.timeout)
+        self._next, self._total = 1, 0
+        self._started = False
+        self._finished = False
+        self._in_step: int | None = None
+        self._entered = 0  # steps entered so far (a yielded step that is never entered is a bug of the loop)
+        self._stepped = False
+        self._loss: float | None = None
+        self._t0 = 0.0
+        self.losses: dict[int, float] = {}
+        self.recoveries: list[dict[str, Any]] = []
+        self.stats: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ public surface
+    @property
+    def optimizer(self) -> Any:
+        """The current optimizer (rebuilt after every failure)."""
+        if self._opt is None:
+            raise RuntimeError("optimizer: not built yet (iterate over steps() first)")
+        return self._opt
+
+    @property
+    def scheduler(self) -> Stateful | None:
+        """The current LR scheduler (rebuilt with the optimizer), if one was asked for."""
+        return self._sched
+
+    @property
+    def is_member(self) -> bool:
+        """Whether this process holds a slot (``False`` for a spare never promoted)."""
+        return self.comm.view is not None
+
+    @property
+    def rank(self) -> int:
+        """This process's rank (= slot) in the current epoch."""
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        """Members of the current epoch."""
+        return self.comm.world_size
+
+    def steps(self, total: int) -> Iterator[int]:
+        """Yield the step numbers to run, from 1 to ``total``, going back after a failure.
+
+        A spare blocks here until it is promoted (and yields nothing if the job
+        ends without it). Run each yielded step inside ``with self.step(step)``.
+
+        Raises:
+            ValueError: ``total`` is not an int >= 1.
+            RuntimeError: A step was skipped (not run in ``with self.step(...)``).
+        """
+        if isinstance(total, bool) or not isinstance(total, int) or total < 1:
+            raise ValueError(f"total: must be an int >= 1, got {total!r}")
+        if not self._started:
+            self._started, self._total = True, total
+            self._start()
+        while self.is_member and self._next <= total:
+            step, entered = self._next, self._entered
+            yield step
+            if self._entered == entered:
+                raise RuntimeError(f"step {step} was yielded but not run: wrap the step in `with ft.step({step}):`")
+
+    def step(self, index: int) -> _Step:
+        """The context of step ``index``: the vote, snapshot and recovery happen when it is left."""
+        return _Step(self, index)
+
+    def optimizer_step(self, loss: torch.Tensor | float | None = None) -> float | None:
+        """Average ``loss`` over the ranks, then step the optimizer. Collective.
+
+        A plain torch optimizer first gets its gradients averaged over the
+        ranks (one all-reduce); ours synchronize gradients themselves.
+
+        Returns:
+            The rank-averaged loss (``None`` when no loss was given); it becomes
+            :attr:`losses`\\ ``[step]`` once the step commits.
+        """
+        if self._in_step is None:
+            raise RuntimeError("optimizer_step: call it inside `with ft.step(step):`")
+        if self._stepped:
+            raise RuntimeError(f"optimizer_step: already called in step {self._in_step}")
+        mean: float | None = None
+        if loss is not None:
+            value = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
+            buf = value.reshape(1).to(torch.float32).clone()
+            dist.all_reduce(buf, op=dist.ReduceOp.AVG)
+            mean = float(buf.item())
+        if not isinstance(self._opt, _ShardedOptimizer):
+            self._average_gradients()
+        self._snaps.settle()
+        self._opt.step()
+        self._stepped, self._loss = True, mean
+        return mean
+
+    def finish(self) -> None:
+        """End the run. Collective: every member must call this once after the last step.
+
+        Waits for the last replication, averages the replicas of
+        :class:`LocalAdamS` (every member ends with one model), stops the
+        background work and closes the communicator. A spare that was never
+        promoted only closes.
+        """
+        if self._finished:
+            return
+        self._finished = True
+        if self.is_member and self._opt is not None:
+            self._snaps.drain()
+            if isinstance(self._opt, LocalAdamS):
+                self._opt.average_params()
+            self.stats = self._snaps.stats()
+        self.close()
+
+    def close(self) -> None:
+        """Stop the replication, the optimizer's background work and the communicator (local, idempotent)."""
+        self._snaps.stop()
+        if self._opt is not None and hasattr(self._opt, "close"):
+            self._opt.close()
+        self.comm.close()
+
+    def __enter__(self) -> ResilientTraining:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ the step
+    def _event(self, name: str, **fields: Any) -> None:
+        logger.debug("%s %s", name, fields)
+        if self._on_event is not None:
+            self._on_event(name, fields)
+
+    def _enter(self, index: int) -> None:
+        if self._in_step is not None:
+            raise RuntimeError(f"step {index}: step {self._in_step} is still open")
+        if index != self._next:
+            raise ValueError(f"step: expected step {self._next} (from steps()), got {index!r}")
+        self._in_step, self._stepped, self._loss = index, False, None
+        self._entered += 1
+        self._t0 = time.perf_counter()
+
+    def _exit(self, index: int, exc: BaseException | None) -> bool:
+        self._in_step = None
+        if exc is None:
+            if not self._stepped:
+                raise RuntimeError(f"step {index}: optimizer_step() was not called")
+            try:
+                if not self.comm.commit(index):
+                    raise PeerFailureError(f"step {index} was not committed everywhere")
+            except PeerFailureError as failure:
+                exc = failure
+            else:
+                self._committed(index)
+                return False
+        if not isinstance(exc, PeerFailureError):
+            return False
+        self._event("failed", step=index, epoch=self.comm.epoch, error=str(exc)[:200])
+        self._next = self._recover_until_ok(self.comm.reconfigure())
+        return True
+
+    def _committed(self, step: int) -> None:
+        snap = self.config.snapshots_at(step)
+        if snap:
+            self._snaps.put(step, self._tree(step))
+        if self._loss is not None:
+            self.losses[step] = self._loss
+        self._next = step + 1
+        step_s = time.perf_counter() - self._t0
+        self._event("committed", step=step, epoch=self.comm.epoch, loss=self._loss, step_s=step_s, snapshot=snap)
+
+    def _average_gradients(self) -> None:
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if not grads:
+            return
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat, op=dist.ReduceOp.AVG)
+        for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
+            g.copy_(synced)
+
+    # ------------------------------------------------------------------ start
+    def _start(self) -> None:
+        comm = self.comm
+        if comm.view is None:
+            change = comm.wait_for_promotion()
+            if change is None:
+                return
+            self._event("promoted", epoch=change.epoch, rank=change.rank)
+            self._next = self._recover_until_ok(change)
+            return
+        self._event("joined", epoch=comm.epoch, rank=comm.rank, world_size=comm.world_size)
+        try:
+            self._build()
+            self._snaps.put(0, self._tree(0))
+            self._snaps.start_replication(0, self._snapshot_headroom())
+        except PeerFailureError as exc:  # a member died before step 1: recover like at any step
+            self._event("failed", step=0, epoch=comm.epoch, error=str(exc)[:200])
+            self._next = self._recover_until_ok(comm.reconfigure())
+
+    # ------------------------------------------------------------------ snapshots
+    def _tree(self, step: int) -> dict[str, Any]:
+        opt = self._opt
+        if isinstance(opt, _ShardedOptimizer):
+            optim_state: Any = opt.snapshot_state()
+        else:  # a plain optimizer: a replicated copy of its state and of the parameters
+            params = {n: p.detach() for n, p in self.model.named_parameters()}
+            optim_state = {"params": params, "state_dict": opt.state_dict()}
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        return {
+            "step": step,
+            "optim": optim_state,
+            "groups": groups,
+            "rng": torch.get_rng_state(),
+            "buffers": {n: b.detach().clone() for n, b in self.model.named_buffers()},
+            "scheduler": None if self._sched is None else _copy_tensors(self._sched.state_dict()),
+            "state": {name: _copy_tensors(obj.state_dict()) for name, obj in self._state.items()},
+            # the loss history travels too: a promoted spare knows every committed step's loss
+            "losses": torch.tensor(sorted(self.losses.items()), dtype=torch.float64).reshape(-1, 2),
+        }
+
+    def _snapshot_headroom(self) -> int:
+        """Bytes a later snapshot may add to the largest one held now (the replication capacity's slack).
+
+        Headers grow a little with the step number, the loss history by one pair per step; SCAPE's snapshots hold no
+        masks during its dense warm-up and ``mask_delay`` masks of
+        ``world_size x k`` int64 indices once it is sparse.
+        """
+        headroom = (64 << 10) + 16 * (self._total + 1)  # the loss history: (step, loss) float64 pairs
+        opt = self._opt
+        if isinstance(opt, SCAPE) and opt.density < 1.0:
+            b = opt.bucket
+            headroom += opt.mask_delay * b.world_size * k_for(b.numel, b.world_size, opt.density) * 8
+        return headroom
+
+    # ------------------------------------------------------------------ state
+    def _build(self) -> None:
+        """(Re)build the optimizer and the scheduler over the model."""
+        if self._opt is not None and hasattr(self._opt, "abandon"):
+            self._opt.abandon()
+        self._opt = self._factory(self.model)
+        if not isinstance(self._opt, torch.optim.Optimizer):
+            raise TypeError(f"optimizer factory: expected a torch.optim.Optimizer, got {type(self._opt).__name__}")
+        self._sched = self._sched_factory(self._opt) if self._sched_factory is not None else None
+
+    def _load_common(self, tree: dict[str, Any]) -> None:
+        """Load what every kind of optimizer shares: hyperparameters, buffers, scheduler, user state, losses, RNG."""
+        if self._sched is not None and tree.get("scheduler") is not None:
+            self._sched.load_state_dict(tree["scheduler"])
+        for group, saved in zip(self._opt.param_groups, tree["groups"], strict=True):
+            group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()})
+        buffers = dict(self.model.named_buffers())
+        with torch.no_grad():
+            for name, value in tree["buffers"].items():
+                buffers[name].copy_(value)
+        for name, obj in self._state.items():
+            obj.load_state_dict(tree["state"][name])
+        self.losses = {int(k): float(v) for k, v in tree["losses"].tolist()}
+        torch.set_rng_state(tree["rng"])
+
+    def _restore(self, tree: dict[str, Any] | None) -> None:
+        """Rebuild the optimizer and load ``tree`` (``None``: the initial state). Collective."""
+        if tree is None:
+            self.model.load_state_dict(self._init_model)
+            torch.set_rng_state(self._init_rng)  # as after the model's initialisation in the first epoch
+            for name, obj in self._state.items():
+                obj.load_state_dict(self._init_state[name])
+            self._build()
+            return
+        self._build()
+        opt = self._opt
+        if isinstance(opt, _ShardedOptimizer):
+            opt.restore_snapshot(tree["optim"])
+            opt.resync_params()
+        else:
+            self._load_plain(tree["optim"])
+        self._load_common(tree)
+
+    def _load_plain(self, saved: dict[str, Any]) -> None:
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, value in saved["params"].items():
+                params[name].copy_(value)
+        self._opt.load_state_dict(saved["state_dict"])
+
+    # ------------------------------------------------------------------ recovery
+    def _recover_until_ok(self, change: Reconfiguration) -> int:
+        while True:
+            try:
+                return self._recover(change)
+            except PeerFailureError as exc:  # another failure during recovery: next epoch
+                self._event("failed", step=-1, epoch=self.comm.epoch, error=str(exc)[:200])
+                change = self.comm.reconfigure()
+
+    def _recover(self, change: Reconfiguration | None) -> int:
+        """Agree on the restore step, move lost snapshots, restore. Returns the next step. Collective."""
+        t0 = time.time()
+        phases: dict[str, float] = {}
+        self._snaps.stop()
+        phases["stop_replication_s"] = time.time() - t0
+        plan, old_slot = self._snaps.agree(change, self.config.snapshots)
+        restore_step = plan.step
+        phases["agree_s"] = time.time() - t0
+        last = max(self.losses) if self.losses else 0
+        recomputed = max(0, last - restore_step) if restore_step >= 0 else last
+        shrunk = change is not None and len(change.lost_slots) > len(change.promoted)
+        if shrunk and restore_step > 0:
+            self._build()  # every member, a promoted spare too: the kind of optimizer picks the way
+            opt = self._opt
+            if not isinstance(opt, _ShardedOptimizer) or isinstance(opt, ReplicatedAdamS):
+                # every survivor holds a whole replica: it goes on from its own (the lost ones' drift is dropped)
+                own = self._snaps.own_tree(restore_step)
+                phases["transfer_s"] = time.time() - t0
+                if isinstance(opt, ReplicatedAdamS):
+                    opt.restore_replica(own["optim"])
+                else:
+                    self._load_plain(own["optim"])
+                self._load_common(own)
+            else:
+                held = self._snaps.held_trees(restore_step, old_slot, plan)
+                full = gather_full_state(opt, held, plan.old_world)
+                phases["transfer_s"] = time.time() - t0
+                restore_resharded(opt, restore_step, full)
+                if old_slot >= 0:
+                    self._load_common(held[0][1])
+        else:
+            tree: dict[str, Any] | None = None
+            if restore_step > 0:  # 0: the initial state, rebuilt from the seed (no snapshot needed)
+                tree = self._snaps.fetch(restore_step, old_slot, plan)
+            phases["transfer_s"] = time.time() - t0
+            self._restore(tree)
+        for p in self.model.parameters():
+            p.grad = None  # a failed step's gradients must not reach the step run again
+        phases["restore_s"] = time.time() - t0
+        self._snaps.clear()
+        self._snaps.put(max(restore_step, 0), self._tree(max(restore_step, 0)))
+        self._snaps.start_replication(max(restore_step, 0), self._snapshot_headroom())
+        phases["replication_s"] = time.time() - t0
+        for s in [s for s in self.losses if s > restore_step]:
+            del self.losses[s]
+        rec = {
+            "restore_step": restore_step,
+            "recover_s": time.time() - t0,
+            "steps_recomputed": recomputed,
+            "epoch": self.comm.epoch,
+            "world_size": self.comm.world_size,
+            "rank": self.comm.rank,
+            "phases_s": phases,
+        }
+        self.recoveries.append(rec)
+        self._event("restored", **rec)
+        return max(restore_step, 0) + 1  # no snapshot (-1): start again at step 1, as the first epoch did
