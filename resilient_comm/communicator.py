@@ -9,7 +9,7 @@ Guarantees:
 
 * every operation completes or raises :class:`~bindings.errors.PeerFailureError`
   within its deadline: the wait polls the transport and gives up as soon as the
-  epoch is aborted (by this member or by the coordinator);
+  epoch is aborted (by this member or by the coordinator; :mod:`resilient_comm.guard`);
 * on any failure this member aborts its own transport at once (the revoke), so
   peers blocked on it fail fast too, and reports to the coordinator;
 * after a failure every call raises until :meth:`FaultAwareCommunicator.reconfigure`
@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
 
 import torch
 
@@ -35,6 +33,7 @@ from bindings.errors import CommError, PeerFailureError
 from bindings.ops import ReduceOp
 from bindings.torch_backend import TorchCommunicator, standalone_process_group
 from resilient_comm.errors import MembershipError, StaleEpochError
+from resilient_comm.guard import REAPER, EpochGuard, GuardedWork, call_unless_aborted
 from resilient_comm.membership import StoreMembership
 from resilient_comm.protocol import Reconfiguration
 from resilient_comm.view import View
@@ -50,128 +49,6 @@ ENV_ROLE = "SPARSECOMM_ROLE"
 ENV_SLOT = "SPARSECOMM_SLOT"
 
 _BACKENDS = ("gloo", "nccl")
-
-
-class _GuardedWork:
-    """Raw work of one epoch: finishes, or gives up as soon as the epoch is aborted.
-
-    Most gloo works report completion through ``is_completed()``, which is
-    polled. gloo's reduce-scatter and point-to-point works complete only inside
-    ``wait()``: for those a helper thread waits in the transport while the
-    caller watches the epoch (the helper ends with the transport's own timeout
-    if the epoch was given up; the work keeps its buffers alive until then).
-    """
-
-    _POLLABLE = ("all_reduce", "all_gather", "broadcast", "barrier")
-
-    def __init__(
-        self,
-        comm: FaultAwareCommunicator,
-        op: str,
-        epoch: int,
-        raw: RawWork,
-        on_success: Callable[[], object] | None = None,
-    ) -> None:
-        self._on_success = on_success
-        self._comm = comm
-        self._op = op
-        self._epoch = epoch
-        self._raw = raw
-        self._done = threading.Event()
-        self._error: BaseException | None = None
-        self._helper: threading.Thread | None = None
-        if op not in self._POLLABLE:  # start waiting now, so is_completed() works before wait()
-            deadline = time.monotonic() + comm.timeout.total_seconds()
-            self._helper = threading.Thread(target=self._wait_in_transport, args=(deadline,), daemon=True)
-            self._helper.start()
-
-    def wait(self, timeout_s: float | None) -> None:
-        comm = self._comm
-        deadline = time.monotonic() + (comm.timeout.total_seconds() if timeout_s is None else timeout_s)
-        if self._op in self._POLLABLE:
-            self._watch(deadline, self._raw.is_completed)
-            self._finish(lambda: self._raw.wait(max(0.01, deadline - time.monotonic())))
-            return
-        self._watch(deadline, self._done.is_set)
-        self._finish(self._reraise)
-
-    def _wait_in_transport(self, deadline: float) -> None:
-        try:
-            self._raw.wait(max(0.01, deadline - time.monotonic()))
-        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
-            self._error = exc
-        finally:
-            self._done.set()
-
-    def _reraise(self) -> None:
-        if self._error is not None:
-            raise self._error
-
-    def _watch(self, deadline: float, done: Callable[[], bool]) -> None:
-        comm, delay = self._comm, 5e-5
-        while not done():
-            if comm._epoch_failed(self._epoch):
-                raise comm._failure(self._epoch, f"{self._op}: epoch {self._epoch} was aborted")
-            if time.monotonic() > deadline:
-                comm._fail(self._epoch, f"{self._op}: timed out")
-                raise comm._failure(self._epoch, f"{self._op}: no progress before the deadline (hung peer?)")
-            if self._helper is not None:
-                self._done.wait(delay)
-            else:
-                time.sleep(delay)
-            delay = min(delay * 2, 0.001)
-
-    def _finish(self, complete: Callable[[], None]) -> None:
-        comm = self._comm
-        try:
-            complete()
-        except CommError as exc:
-            comm._fail(self._epoch, f"{self._op}: {exc}")
-            raise comm._failure(self._epoch, f"{self._op}: {exc}") from exc
-        if self._on_success is not None:
-            self._on_success()
-            self._on_success = None
-
-    def is_completed(self) -> bool:
-        if self._comm._epoch_failed(self._epoch):
-            return True
-        return self._done.is_set() if self._op not in self._POLLABLE else self._raw.is_completed()
-
-
-class _Reaper:
-    """Destroys the transports of failed epochs on a background thread.
-
-    A gloo group destroyed while one of its operations is still pending (one
-    the caller gave up on when the epoch failed) blocks in its destructor until
-    that operation times out. The destructor releases the GIL, so running it
-    here keeps the member responsive; a short grace period makes sure this
-    thread holds the last reference.
-    """
-
-    _GRACE_S = 1.0
-
-    def __init__(self) -> None:
-        self._queue: queue.Queue[tuple[float, Any]] = queue.Queue()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-
-    def bury(self, *transports: Any) -> None:
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="sparsecomm-reaper", daemon=True)
-                self._thread.start()
-        for t in transports:
-            if t is not None:
-                self._queue.put((time.monotonic() + self._GRACE_S, t))
-
-    def _run(self) -> None:
-        while True:
-            due, item = self._queue.get()
-            time.sleep(max(0.0, due - time.monotonic()))
-            del item  # the destructor runs here, however long it takes
-
-
-_REAPER = _Reaper()
 
 
 class FaultAwareCommunicator(BaseCommunicator):
@@ -228,6 +105,9 @@ class FaultAwareCommunicator(BaseCommunicator):
         self._committed = -1  # newest step known committed everywhere
         self._state_lock = threading.Lock()
         self._reconfiguring = threading.Lock()
+        self._guard_of_epochs = EpochGuard(
+            failed=self._epoch_failed, fail=self._fail, failure=self._failure, timeout_s=timeout.total_seconds()
+        )
         if membership.role == "active":
             self._join(-1, time.monotonic() + join_timeout.total_seconds())
 
@@ -402,7 +282,7 @@ class FaultAwareCommunicator(BaseCommunicator):
                 old.abort()
             if old_side is not None:
                 old_side.transport.abort()
-            _REAPER.bury(old, old_side)
+            REAPER.bury(old, old_side)
             del old, old_side
             if self._epoch_failed(view.epoch):
                 self._abort_transports(view.epoch)
@@ -421,29 +301,18 @@ class FaultAwareCommunicator(BaseCommunicator):
         long before the rendezvous would time out. The abandoned helper ends
         with that timeout.
         """
-        box: dict[str, Any] = {}
-
-        def rendezvous() -> None:
-            try:
-                box["pg"] = standalone_process_group(
-                    self._m.transport_store(view.epoch, channel),
-                    slot,
-                    view.world_size,
-                    self._backend_name,
-                    self._configure_timeout,
-                )
-            except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError/DistError on a failed rendezvous
-                box["error"] = exc
-
-        helper = threading.Thread(target=rendezvous, name=f"sparsecomm-rendezvous-{view.epoch}", daemon=True)
-        helper.start()
-        while helper.is_alive():
-            helper.join(0.005)
-            if helper.is_alive() and self._epoch_failed(view.epoch):
-                raise PeerFailureError(f"epoch {view.epoch} was aborted while its transport was being built")
-        if "error" in box:
-            raise PeerFailureError(f"building the transport of epoch {view.epoch}: {box['error']}") from box["error"]
-        pg = box["pg"]
+        pg = call_unless_aborted(
+            lambda: standalone_process_group(
+                self._m.transport_store(view.epoch, channel),
+                slot,
+                view.world_size,
+                self._backend_name,
+                self._configure_timeout,
+            ),
+            lambda: self._epoch_failed(view.epoch),
+            name=f"sparsecomm-rendezvous-{view.epoch}",
+            what=f"building the transport of epoch {view.epoch}",
+        )
         return TorchCommunicator(pg, timeout=self.timeout, check_collectives=False, standalone=True)
 
     def reconfigure(self, timeout: timedelta | None = None) -> Reconfiguration:
@@ -552,7 +421,7 @@ class FaultAwareCommunicator(BaseCommunicator):
         except CommError as exc:
             self._fail(epoch, f"{op}: {exc}")
             raise self._failure(epoch, f"{op}: {exc}") from exc
-        return _GuardedWork(self, op, epoch, raw, on_success)
+        return GuardedWork(self._guard_of_epochs, op, epoch, raw, on_success)
 
     # The transport works on private copies: an operation given up when its epoch
     # failed may still complete later (gloo's abort does not cancel it, and a
@@ -585,13 +454,15 @@ class FaultAwareCommunicator(BaseCommunicator):
 
     def _raw_recv(self, buf: torch.Tensor, src: int | None, tag: int) -> tuple[RawWork, Callable[[], int]]:
         tmp = torch.empty_like(buf)
-        work, source = self._guard_recv(tmp, src, tag, self._current("recv"))
-        assert isinstance(work, _GuardedWork)
-        work._on_success = lambda: buf.copy_(tmp)
-        return work, source
+        return self._guard_recv(tmp, src, tag, self._current("recv"), on_success=lambda: buf.copy_(tmp))
 
     def _guard_recv(
-        self, buf: torch.Tensor, src: int | None, tag: int, on: tuple[TorchCommunicator, int]
+        self,
+        buf: torch.Tensor,
+        src: int | None,
+        tag: int,
+        on: tuple[TorchCommunicator, int],
+        on_success: Callable[[], object] | None = None,
     ) -> tuple[RawWork, Callable[[], int]]:
         inner, epoch = on
         if self._epoch_failed(epoch):
@@ -601,7 +472,7 @@ class FaultAwareCommunicator(BaseCommunicator):
         except CommError as exc:
             self._fail(epoch, f"recv: {exc}")
             raise self._failure(epoch, f"recv: {exc}") from exc
-        return _GuardedWork(self, "recv", epoch, raw), source
+        return GuardedWork(self._guard_of_epochs, "recv", epoch, raw, on_success), source
 
     def _raw_split(self, members: list[int]) -> BaseCommunicator | None:
         raise NotImplementedError("split: a fault-aware communicator cannot be split; its epochs change its ranks")
