@@ -3,8 +3,8 @@
 :class:`BaseCommunicator` does everything that must be the same on every
 transport, so each backend only moves contiguous buffers:
 
-* argument validation, before any communication, with the same outcome on
-  every rank that passes matching arguments;
+* argument validation (:mod:`bindings.checks`), before any communication,
+  with the same outcome on every rank that passes matching arguments;
 * non-contiguous tensors (staged through a contiguous copy);
 * ``AVG`` on transports without a native average (sum, then divide);
 * the optional cross-rank metadata check (``check_collectives``);
@@ -23,6 +23,15 @@ from typing import Any
 import torch
 
 from bindings.base import RawWork, Work
+from bindings.checks import (
+    check_async,
+    check_op_dtype,
+    check_pair,
+    check_rank,
+    check_ranks_list,
+    check_tag,
+    check_tensor,
+)
 from bindings.errors import CollectiveMismatchError, CommAbortedError, CommTimeoutError
 from bindings.ops import SUPPORTED_DTYPES, ReduceOp, parse_reduce_op
 from bindings.stats import CommStats, ring_bytes
@@ -139,53 +148,6 @@ class ChainedWork:
     def is_completed(self) -> bool:
         """Return whether the inner work completed."""
         return self._done or self._inner.is_completed()
-
-
-def _check_tensor(name: str, t: Any) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(
-            f"{name}: dtype {t.dtype} is not supported; supported: "
-            f"{', '.join(sorted(str(d) for d in SUPPORTED_DTYPES))}"
-        )
-    if t.is_sparse or t.layout != torch.strided:
-        raise TypeError(f"{name}: only dense (strided) tensors are supported, got {t.layout}")
-    return t
-
-
-def _check_pair(out_name: str, out: torch.Tensor, in_name: str, inp: torch.Tensor) -> None:
-    if out.dtype != inp.dtype:
-        raise TypeError(f"{out_name}: dtype {out.dtype} does not match {in_name} dtype {inp.dtype}")
-    if out.device != inp.device:
-        raise ValueError(f"{out_name}: device {out.device} does not match {in_name} device {inp.device}")
-
-
-def _check_op_dtype(op: ReduceOp, dtype: torch.dtype) -> None:
-    floating = dtype.is_floating_point
-    if op.is_bitwise and floating:
-        raise TypeError(f"op: {op.name} needs an integer or bool tensor, got {dtype}")
-    if op == ReduceOp.AVG and not floating:
-        raise TypeError(f"op: AVG needs a floating-point tensor, got {dtype}")
-
-
-def _check_rank(name: str, value: Any, world_size: int, *, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected an int rank, got {type(value).__name__}")
-    if not 0 <= value < world_size:
-        raise ValueError(f"{name}: rank {value} is out of range for world_size {world_size}")
-
-
-def _check_tag(tag: Any) -> None:
-    if isinstance(tag, bool) or not isinstance(tag, int) or tag < 0:
-        raise ValueError(f"tag: expected a non-negative int, got {tag!r}")
-
-
-def _check_async(async_op: Any) -> None:
-    if not isinstance(async_op, bool):
-        raise TypeError(f"async_op: expected a bool, got {type(async_op).__name__}")
 
 
 def _staged(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], object] | None]:
@@ -364,10 +326,10 @@ class BaseCommunicator(abc.ABC):
             TypeError, ValueError: Bad arguments (before any communication).
             CommError: Transport failure or timeout.
         """
-        _check_tensor("tensor", tensor)
+        check_tensor("tensor", tensor)
         rop = parse_reduce_op(op)
-        _check_op_dtype(rop, tensor.dtype)
-        _check_async(async_op)
+        check_op_dtype(rop, tensor.dtype)
+        check_async(async_op)
         self._check_transport("all_reduce", rop, (tensor,))
         self._ensure_usable("all_reduce")
         if self._check:
@@ -402,12 +364,12 @@ class BaseCommunicator(abc.ABC):
             op: Reduction operator.
             async_op: Return a handle instead of blocking.
         """
-        _check_tensor("output", output)
-        _check_tensor("input", input)
-        _check_pair("output", output, "input", input)
+        check_tensor("output", output)
+        check_tensor("input", input)
+        check_pair("output", output, "input", input)
         rop = parse_reduce_op(op)
-        _check_op_dtype(rop, input.dtype)
-        _check_async(async_op)
+        check_op_dtype(rop, input.dtype)
+        check_async(async_op)
         if input.numel() != output.numel() * self._world_size:
             raise ValueError(
                 f"input: numel {input.numel()} must be output numel {output.numel()} x world_size {self._world_size}"
@@ -444,10 +406,10 @@ class BaseCommunicator(abc.ABC):
             input: This rank's block.
             async_op: Return a handle instead of blocking.
         """
-        _check_tensor("output", output)
-        _check_tensor("input", input)
-        _check_pair("output", output, "input", input)
-        _check_async(async_op)
+        check_tensor("output", output)
+        check_tensor("input", input)
+        check_pair("output", output, "input", input)
+        check_async(async_op)
         if output.numel() != input.numel() * self._world_size:
             raise ValueError(
                 f"output: numel {output.numel()} must be input numel {input.numel()} x world_size {self._world_size}"
@@ -473,9 +435,9 @@ class BaseCommunicator(abc.ABC):
 
         Collective: every rank must call this with the same ``src`` and size.
         """
-        _check_tensor("tensor", tensor)
-        _check_rank("src", src, self._world_size)
-        _check_async(async_op)
+        check_tensor("tensor", tensor)
+        check_rank("src", src, self._world_size)
+        check_async(async_op)
         self._check_transport("broadcast", None, (tensor,))
         self._ensure_usable("broadcast")
         if self._check:
@@ -493,7 +455,7 @@ class BaseCommunicator(abc.ABC):
 
         Collective: every rank must call this.
         """
-        _check_async(async_op)
+        check_async(async_op)
         self._ensure_usable("barrier")
         if self._check:
             self._agree("barrier", torch.uint8, 0, 0, 0)
@@ -503,10 +465,10 @@ class BaseCommunicator(abc.ABC):
 
     def send(self, tensor: torch.Tensor, dst: int, *, tag: int = 0, async_op: bool = False) -> Handle | None:
         """Send ``tensor`` to rank ``dst`` (matched by a ``recv`` with the same tag)."""
-        _check_tensor("tensor", tensor)
-        _check_rank("dst", dst, self._world_size)
-        _check_tag(tag)
-        _check_async(async_op)
+        check_tensor("tensor", tensor)
+        check_rank("dst", dst, self._world_size)
+        check_tag(tag)
+        check_async(async_op)
         if dst == self._rank:
             raise ValueError(f"dst: cannot send to this rank itself ({dst})")
         self._check_transport("send", None, (tensor,), peer=dst, tag=tag)
@@ -523,10 +485,10 @@ class BaseCommunicator(abc.ABC):
             The sender's rank when blocking, else a handle whose
             ``source_rank()`` gives it.
         """
-        _check_tensor("tensor", tensor)
-        _check_rank("src", src, self._world_size, allow_none=True)
-        _check_tag(tag)
-        _check_async(async_op)
+        check_tensor("tensor", tensor)
+        check_rank("src", src, self._world_size, allow_none=True)
+        check_tag(tag)
+        check_async(async_op)
         if src == self._rank:
             raise ValueError(f"src: cannot receive from this rank itself ({src})")
         self._check_transport("recv", None, (tensor,), peer=src, tag=tag)
@@ -548,7 +510,7 @@ class BaseCommunicator(abc.ABC):
         Returns:
             The new communicator on member ranks, ``None`` elsewhere.
         """
-        members = _check_ranks_list(ranks, self._world_size)
+        members = check_ranks_list(ranks, self._world_size)
         self._ensure_usable("split")
         return self._raw_split(members)
 
@@ -602,17 +564,3 @@ class BaseCommunicator(abc.ABC):
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-def _check_ranks_list(ranks: Any, world_size: int) -> list[int]:
-    if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Sequence):
-        raise TypeError(f"ranks: expected a sequence of ints, got {type(ranks).__name__}")
-    out: list[int] = []
-    for r in ranks:
-        _check_rank("ranks", r, world_size)
-        out.append(int(r))
-    if len(set(out)) != len(out):
-        raise ValueError(f"ranks: duplicate ranks in {list(ranks)}")
-    if not out:
-        raise ValueError("ranks: must not be empty")
-    return sorted(out)
