@@ -134,7 +134,9 @@ class EventWriter:
 class ProcessEvents:
     """This process's event file ``directory/<pid>.jsonl``: ``log(event, **fields)`` appends one record.
 
-    Each record holds ``time`` (``time.time()``), ``event``, ``pid`` and the fields.
+    Each record holds ``time`` (``time.time()``), ``event``, ``pid`` and the
+    fields. The fields may also come as one mapping, ``log(event, fields)``,
+    so an instance can serve as an ``on_event(name, fields)`` hook.
 
     Args:
         directory: Where the file goes (created if missing); ``None`` logs nothing.
@@ -151,10 +153,10 @@ class ProcessEvents:
         """The file, or ``None`` when logging nothing."""
         return self._writer.path if self._writer is not None else None
 
-    def __call__(self, event: str, **fields: Any) -> None:
-        """Append one record."""
+    def __call__(self, event: str, fields: Mapping[str, Any] | None = None, /, **more: Any) -> None:
+        """Append one record with the fields of ``fields`` and ``more``."""
         if self._writer is not None:
-            self._writer.write({"time": time.time(), "event": event, "pid": os.getpid(), **fields})
+            self._writer.write({"time": time.time(), "event": event, "pid": os.getpid(), **(fields or {}), **more})
 
     def close(self) -> None:
         """Close the file. Idempotent."""

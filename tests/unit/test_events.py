@@ -136,10 +136,12 @@ def test_process_events(tmp_path: Path) -> None:
     log = ProcessEvents(tmp_path / "logs")
     assert log.path == tmp_path / "logs" / f"{os.getpid()}.jsonl"
     log("joined", rank=1)
+    log("error", {"error": "boom", "fields": 1})  # the on_event(name, fields) form
     log.close()
-    (rec,) = read_events(tmp_path / "logs" / f"{os.getpid()}.jsonl")
+    rec, err = read_events(tmp_path / "logs" / f"{os.getpid()}.jsonl")
     assert rec["event"] == "joined" and rec["pid"] == os.getpid() and rec["rank"] == 1
     assert isinstance(rec["time"], float)
+    assert err["event"] == "error" and err["error"] == "boom" and err["fields"] == 1
     quiet = ProcessEvents(None)
     quiet("joined")
     assert quiet.path is None
