@@ -105,7 +105,7 @@ class FaultAwareCommunicator(BaseCommunicator):
         self._committed = -1  # newest step known committed everywhere
         self._state_lock = threading.Lock()
         self._reconfiguring = threading.Lock()
-        self._guard_of_epochs = EpochGuard(
+        self._epoch_guard = EpochGuard(
             failed=self._epoch_failed, fail=self._fail, failure=self._failure, timeout_s=timeout.total_seconds()
         )
         if membership.role == "active":
@@ -421,7 +421,7 @@ class FaultAwareCommunicator(BaseCommunicator):
         except CommError as exc:
             self._fail(epoch, f"{op}: {exc}")
             raise self._failure(epoch, f"{op}: {exc}") from exc
-        return GuardedWork(self._guard_of_epochs, op, epoch, raw, on_success)
+        return GuardedWork(self._epoch_guard, op, epoch, raw, on_success)
 
     # The transport works on private copies: an operation given up when its epoch
     # failed may still complete later (gloo's abort does not cancel it, and a
@@ -472,7 +472,7 @@ class FaultAwareCommunicator(BaseCommunicator):
         except CommError as exc:
             self._fail(epoch, f"recv: {exc}")
             raise self._failure(epoch, f"recv: {exc}") from exc
-        return GuardedWork(self._guard_of_epochs, "recv", epoch, raw, on_success), source
+        return GuardedWork(self._epoch_guard, "recv", epoch, raw, on_success), source
 
     def _raw_split(self, members: list[int]) -> BaseCommunicator | None:
         raise NotImplementedError("split: a fault-aware communicator cannot be split; its epochs change its ranks")
