@@ -374,11 +374,11 @@ class ResilientTraining:
         return True
 
     def _committed(self, step: int) -> None:
+        if self._loss is not None:
+            self.losses[step] = self._loss
         snap = self.config.snapshots_at(step)
         if snap:
             self._snaps.put(step, self._tree(step))
-        if self._loss is not None:
-            self.losses[step] = self._loss
         self._next = step + 1
         step_s = time.perf_counter() - self._t0
         self._event("committed", step=step, epoch=self.comm.epoch, loss=self._loss, step_s=step_s, snapshot=snap)

@@ -507,6 +507,10 @@ class FaultAwareCommunicator(BaseCommunicator):
             side.transport.close()
         if inner is not None:
             inner.close()
+        # the transports of failed epochs are destroyed on the reaper thread: exiting before it is done
+        # would tear the interpreter down under a native destructor (SIGABRT)
+        if not REAPER.drain(self.timeout.total_seconds()):
+            logger.warning("close: transports of failed epochs still closing after %s", self.timeout)
 
     def _raw_close(self) -> None:  # pragma: no cover - close() is overridden
         pass

@@ -191,6 +191,8 @@ class _Reaper:
         self._queue: queue.Queue[tuple[float, Any]] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._pending = 0
+        self._idle = threading.Condition(self._lock)
 
     def bury(self, *transports: Any) -> None:
         """Hand transports over (``None`` entries are skipped); drop your own references afterwards."""
@@ -200,13 +202,27 @@ class _Reaper:
                 self._thread.start()
         for t in transports:
             if t is not None:
+                with self._lock:
+                    self._pending += 1
                 self._queue.put((time.monotonic() + self._GRACE_S, t))
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until every buried transport is destroyed; ``False`` if some are still pending after ``timeout_s``.
+
+        A process must not exit while a destructor runs here: interpreter
+        teardown would kill the thread inside native code and abort the process.
+        """
+        with self._idle:
+            return self._idle.wait_for(lambda: self._pending == 0, timeout=timeout_s)
 
     def _run(self) -> None:
         while True:
             due, item = self._queue.get()
             time.sleep(max(0.0, due - time.monotonic()))
             del item  # the destructor runs here, however long it takes
+            with self._idle:
+                self._pending -= 1
+                self._idle.notify_all()
 
 
 #: The process's one reaper.
