@@ -382,7 +382,11 @@ class FaultAwareCommunicator(BaseCommunicator):
 
         Collective: every member of the epoch must call this for ``step``. A
         step counts only when every member voted ok and no failure hit the epoch
-        first; apply its effects (optimizer step, snapshot) only then.
+        first. The order is: run the whole step (the optimizer step included),
+        vote, and only on ``True`` record the step as done (its loss, a snapshot
+        of the state after it). On ``False`` the step's changes do not count:
+        reconfigure and restore the last committed state, as
+        :class:`optim.resilient.ResilientTraining` does.
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step: must be an int >= 0, got {step!r}")
