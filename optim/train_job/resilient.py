@@ -1,26 +1,15 @@
-"""Failure-transparent training: the train job on a fault-aware communicator with in-memory snapshots.
+"""Failure-transparent training of the GPT train job: ``sparsecomm train --kill`` / ``--spares``.
 
 The parent (:func:`run_resilient_training`) starts a coordinator, ``nproc``
 workers and ``spares`` spares with :class:`resilient_comm.launcher.Launcher`,
 SIGKILLs the workers named by ``kills`` (``(slot, step)``: while that step
 runs) from outside, and collects the result. Every worker
-(``python -m optim.train_job.resilient SPEC``) runs :func:`worker_main`:
-
-* the step loop of :func:`optim.train_job.train.train_worker` (same model, data order
-  from ``(seed, step, slot)``, learning-rate schedule, sharded optimizer) over
-  a :class:`~resilient_comm.FaultAwareCommunicator`, with a commit vote after
-  each ``optimizer.step()``: a step counts everywhere or nowhere;
-* after each committed step, a snapshot of the rank's own state (optimizer
-  shard with masks in flight, step, RNG) into a double-buffered host ring,
-  replicated to the buddy (next slot) on a background thread over the epoch's
-  side channel (:class:`optim.snapshot.Replicator`);
-* on a failure: ``reconfigure()`` (a spare takes the dead slot, or the world
-  shrinks), then :func:`_recover`: the members agree on the newest step ``R``
-  whose state every slot still has (own ring, or the buddy's copy of a lost
-  slot), the buddy sends the lost slot's snapshot to its new holder, everyone
-  rebuilds the optimizer, restores ``R`` and the parameters, and the loop goes
-  on at ``R + 1``. With no copy left the job stops with
-  :class:`~optim.snapshot.UnrecoverableStateError`, never silently.
+(``python -m optim.train_job.resilient SPEC``) runs the train job's step
+(:func:`optim.train_job.train.train_step`: same model, data from
+``(seed, step, slot)``, learning-rate schedule, optimizer) as a client of the
+public API, :class:`optim.resilient.ResilientTraining`: the commit vote,
+the replicated in-memory snapshots, the spare's promotion, the agreement on
+the restore step and the rebuild of the optimizer all happen there.
 
 Hot-swap keeps slots, world size and reductions, so the run with failures
 follows the failure-free run bit for bit on CPU. Shrink re-shards the
