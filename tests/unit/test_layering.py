@@ -66,3 +66,16 @@ def test_only_bindings_touches_transports() -> None:
                 if any(name == t or name.startswith(t + ".") for t in transports):
                     bad.append(f"{path.relative_to(ROOT)} imports {name}")
     assert not bad, "\n".join(bad)
+
+
+def test_optim_library_imports_no_application() -> None:
+    """optim's top level (optimizers, snapshots, the DeadPool client) stands without the job, benchmarks and CLI."""
+    apps = ("optim.train_job", "optim.benchmarks", "optim.cli")
+    bad = []
+    for path in sorted((ROOT / "optim").glob("*.py")):
+        if path.name == "__main__.py":  # ``python -m optim`` is the command line itself
+            continue
+        for name in _imported_modules(path):
+            if any(name == a or name.startswith(a + ".") for a in apps):
+                bad.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not bad, "\n".join(bad)
