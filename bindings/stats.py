@@ -24,7 +24,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-__all__ = ["OpStats", "CommStats", "ring_bytes"]
+__all__ = ["OpStats", "CommStats", "ring_bytes", "op_delta"]
 
 
 @dataclass(slots=True)
@@ -132,3 +132,14 @@ class CommStats:
         """Zero every counter."""
         with self._lock:
             self._ops.clear()
+
+
+def op_delta(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """Per-op counter differences ``after - before`` of two :meth:`CommStats.as_dict` (unmoved ops left out)."""
+    out: dict[str, dict[str, int]] = {}
+    for op, a in after.items():
+        b = before.get(op, {"calls": 0, "bytes_sent": 0, "bytes_received": 0})
+        d = {k: a[k] - b[k] for k in ("calls", "bytes_sent", "bytes_received")}
+        if any(d.values()):
+            out[op] = d
+    return out

@@ -41,6 +41,7 @@ import torch
 
 import sparsecomm.distributed as dist
 from bindings.spawn import run_local
+from bindings.stats import op_delta
 from optim.scape import SCAPE
 from optim.train_job.data import VOCAB_SIZE
 from optim.train_job.model import GPT, GPTConfig
@@ -156,16 +157,6 @@ def _state_bytes(opt: Any) -> dict[str, int]:
     return parts
 
 
-def _op_delta(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
-    out: dict[str, dict[str, int]] = {}
-    for op, a in after.items():
-        b = before.get(op, {"calls": 0, "bytes_sent": 0, "bytes_received": 0})
-        d = {k: a[k] - b[k] for k in ("calls", "bytes_sent", "bytes_received")}
-        if any(d.values()):
-            out[op] = d
-    return out
-
-
 def _run_variant(
     config: OptimizerBenchConfig, rank: int, world_size: int, optimizer: str, density: float
 ) -> dict[str, Any]:
@@ -203,7 +194,7 @@ def _run_variant(
                 opt_s.append(t2 - t1)
                 if scape is not None:
                     sparse_flags.append(scape.last_mask is not None)
-        ops = _op_delta(ops0, stats.as_dict())
+        ops = op_delta(ops0, stats.as_dict())
     finally:
         if scape is not None:
             scape.close()  # finish the mask gathers in flight

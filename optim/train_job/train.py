@@ -43,6 +43,7 @@ import torch
 import sparsecomm.distributed as dist
 from bindings.launch import detect_launch
 from bindings.spawn import run_local
+from bindings.stats import op_delta
 from optim.local import LOCAL_SCHEDULES, NORMALIZERS, LocalAdamS, TopKAdamS
 from optim.scape import MASK_SCORES, SCAPE, UNSELECTED_POLICIES
 from optim.sharded import ShardedAdamS, ShardedAdamW
@@ -267,17 +268,6 @@ _CLASSES: dict[str, type[torch.optim.Optimizer]] = {
 }
 
 
-def _op_delta(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
-    """Per-op counter differences ``after - before`` (ops that did not move are left out)."""
-    out: dict[str, dict[str, int]] = {}
-    for op, a in after.items():
-        b = before.get(op, {"calls": 0, "bytes_sent": 0, "bytes_received": 0})
-        d = {k: a[k] - b[k] for k in ("calls", "bytes_sent", "bytes_received")}
-        if any(d.values()):
-            out[op] = d
-    return out
-
-
 def lr_at(config: TrainConfig, step: int) -> float:
     """Return the learning rate of 1-based ``step``: linear warm-up, then cosine decay."""
     if config.warmup_steps and step <= config.warmup_steps:
@@ -415,7 +405,7 @@ def train_worker(config: TrainConfig, rank: int, world_size: int, on_step: OnSte
                 grad_norm = None if last is None else float(last)
             else:
                 train_loss, grad_norm, comm_time = _allreduce_step(config, params, bucket, loss, optimizer)
-            ops = _op_delta(ops0, stats.as_dict())
+            ops = op_delta(ops0, stats.as_dict())
             record = {
                 "step": step,
                 "lr": lr,
