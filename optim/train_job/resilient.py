@@ -42,6 +42,7 @@ from optim.resilient import ResilientConfig, ResilientTraining
 from optim.snapshot import UnrecoverableStateError
 from optim.train_job.tasks import make_task
 from optim.train_job.train import TrainConfig, _evaluate, build_optimizer, train_step
+from resilient_comm.events import ProcessEvents, read_event_dir
 from resilient_comm.keys import COMMITTED
 from resilient_comm.launcher import LaunchConfig, Launcher
 from resilient_comm.membership import parse_address
@@ -108,17 +109,6 @@ class ResilienceConfig:
 
 
 # ---------------------------------------------------------------------------------------------- worker
-class _Log:
-    """One JSON object per line into this process's event file."""
-
-    def __init__(self, directory: Path) -> None:
-        self._file = open(directory / f"{os.getpid()}.jsonl", "a", encoding="utf-8")  # noqa: SIM115
-
-    def __call__(self, event: str, fields: dict[str, Any]) -> None:
-        self._file.write(json.dumps({"time": time.time(), "event": event, "pid": os.getpid(), **fields}) + "\n")
-        self._file.flush()
-
-
 def _params_digest(model: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for name, p in model.named_parameters():
@@ -127,7 +117,7 @@ def _params_digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def _run_worker(config: TrainConfig, res: ResilienceConfig, out: Path, log: _Log) -> int:
+def _run_worker(config: TrainConfig, res: ResilienceConfig, out: Path, log: ProcessEvents) -> int:
     """The train job's loop on :class:`optim.resilient.ResilientTraining` (a client of the public API)."""
     torch.set_num_threads(config.threads)
     task = make_task(config.task_spec())
@@ -182,7 +172,7 @@ def worker_main(spec_path: str) -> int:
     config = TrainConfig(**train)
     res = ResilienceConfig(**{**spec["resilience"], "kills": tuple(tuple(k) for k in spec["resilience"]["kills"])})
     logging.basicConfig(level=logging.WARNING)
-    log = _Log(Path(spec["out"]))
+    log = ProcessEvents(spec["out"])
     try:
         return _run_worker(config, res, Path(spec["out"]), log)
     except (UnrecoverableStateError, CommError) as exc:
@@ -236,12 +226,7 @@ def run_resilient_training(config: TrainConfig, res: ResilienceConfig, out: str 
         r = json.loads(path.read_text())
         results[int(r["rank"])] = r
     events = [dict(e, source="coordinator") for e in launcher.coordinator.log.events]
-    for path in out.glob("*.jsonl"):
-        for line in path.read_text().splitlines():
-            try:
-                events.append(dict(json.loads(line), source="worker"))
-            except ValueError:
-                continue
+    events += [dict(e, source="worker") for records in read_event_dir(out).values() for e in records]
     events.sort(key=lambda e: e["time"])
     first = results.get(0, {})
     # A final rank that was promoted from a spare only knows the steps since its restore: take each
