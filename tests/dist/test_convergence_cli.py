@@ -53,8 +53,20 @@ def test_convergence_cli_end_to_end(
             assert key in r, (r["name"], key)
         assert len(r["train_loss"]) == 10 and [e["step"] for e in r["evals"]] == [0, 5, 10]
         assert r["final_val_loss"] == r["evals"][-1]["val_loss"] < r["initial_val_loss"]
-        assert r["mean_step_time_s"] > 0 and r["largest_loss_rise"] >= 0
+        assert r["mean_step_time_s"] > 0
         assert r["config"]["seed"] == 0 and r["config"]["nproc"] == 2
+        # the largest rise of the recorded curve after the warm-up (the LR's; SCAPE's dense steps too)
+        cfg = r["config"]
+        assert (cfg["warmup_steps"], cfg["sparse_warmup_steps"]) == (2, 3)  # --warmup, --warmup-steps
+        warm = 3 if r["name"].startswith("scape") else 2
+        assert r["warmup_steps"] == warm, (r["name"], r["warmup_steps"])
+        loss = r["train_loss"]
+        rises = {s: loss[s - 1] - loss[s - 2] for s in range(warm + 1, len(loss) + 1)}
+        top = max(rises, key=rises.__getitem__)
+        if rises[top] > 0:
+            assert (r["largest_loss_rise"], r["largest_loss_rise_step"]) == (rises[top], top), (r["name"], loss)
+        else:
+            assert (r["largest_loss_rise"], r["largest_loss_rise_step"]) == (0.0, None), (r["name"], loss)
     # Same init and data order: identical initial validation loss everywhere.
     assert len({r["initial_val_loss"] for r in runs.values()}) == 1
     assert runs["scape@0.1"]["optimizer"]["density"] == 0.1 and runs["scape@0.1"]["sparse_steps"] == 7

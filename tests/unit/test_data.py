@@ -92,7 +92,9 @@ def test_sampling_is_a_pure_function_of_seed_step_rank(corpus: Corpus) -> None:
     torch.rand(10)
     x2, y2 = _batch(corpus.train, seed=3, step=7, rank=2)
     assert torch.equal(x1, x2) and torch.equal(y1, y2)
-    assert stream_seed(3, 7, 2) == stream_seed(3, 7, 2)
+    # pinned: the same in every process and every run (a salted hash() would agree with itself only in one process)
+    assert stream_seed(3, 7, 2) == 690634616668147267
+    assert stream_seed(3, 7, 2, "val") == 4798195076140158244
     assert 0 <= stream_seed(3, 7, 2) < 2**63
 
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import math
 import random
 import struct
-import time
 
+import numpy as np
 import pytest
 import torch
 
+from optim.benchmarks.mask_codec import bench_mask_codec, format_mask_codec_table
 from sparsecomm.mask import (
     ENCODINGS,
     ShardedMask,
@@ -383,21 +384,37 @@ def test_choose_encoding_picks_smallest_with_fixed_ties() -> None:
     assert choose_encoding(torch.tensor([31]), 32) == "delta-varint"  # 1 B beats 4 B
 
 
-def test_encode_decode_timing() -> None:
-    """Prints encode + decode time of 40,000 of 4,000,000 (see with ``pytest -s``)."""
+def test_round_trip_of_a_large_one_percent_piece() -> None:
+    """40,000 of 4,000,000 positions: exact in every encoding, at the sizes the formats define."""
     shard_size, k = 4_000_000, 40_000
     g = torch.Generator().manual_seed(0)
     piece = torch.randperm(shard_size, generator=g)[:k].sort().values
+    payloads = {}
     for encoding in ENCODINGS:
-        times = []
-        for _ in range(7):
-            start = time.perf_counter()
-            payload = encode_piece(piece, shard_size, encoding)
-            back = decode_piece(payload, shard_size, k, encoding)
-            times.append(time.perf_counter() - start)
-        assert torch.equal(back, piece)
-        times.sort()
-        print(
-            f"\n{encoding:>12}: {payload.numel():>9} B  encode+decode "
-            f"median {times[3] * 1e3:.2f} ms  min {times[0] * 1e3:.2f} ms"
-        )
+        payload = encode_piece(piece, shard_size, encoding)
+        assert payload.numel() == encoded_size(piece, shard_size, encoding)
+        assert torch.equal(decode_piece(payload, shard_size, k, encoding), piece), encoding
+        payloads[encoding] = payload
+    # the formats, computed here: 4 bytes an index; one bit a position; 7 bits a varint byte
+    assert torch.equal(payloads["int32"].view(torch.int32).long(), piece)
+    bits = np.unpackbits(payloads["bitmap"].numpy(), bitorder="little")
+    assert bits.size == shard_size and torch.equal(torch.from_numpy(np.flatnonzero(bits)), piece)
+    gaps = torch.diff(piece, prepend=torch.tensor([-1])) - 1
+    varint_bytes = sum(max(1, math.ceil(int(v).bit_length() / 7)) for v in gaps)
+    assert payloads["delta-varint"].numel() == varint_bytes < payloads["int32"].numel() < payloads["bitmap"].numel()
+    assert choose_encoding(piece, shard_size) == "delta-varint"
+
+
+def test_mask_codec_benchmark_rows() -> None:
+    """The timing lives in ``optim.benchmarks.mask_codec``; here only its rows (exact bytes, no speed)."""
+    rows = bench_mask_codec(shard_size=1000, k=10, repeats=2)
+    assert [r["encoding"] for r in rows] == list(ENCODINGS)
+    by_encoding = {r["encoding"]: r["payload_bytes"] for r in rows}
+    assert by_encoding["int32"] == 40 and by_encoding["bitmap"] == 125
+    assert 10 <= by_encoding["delta-varint"] <= 20  # indices below 1000: one or two varint bytes each
+    for r in rows:
+        assert (r["shard_size"], r["k"]) == (1000, 10)
+        assert 0 < r["min_ms"] <= r["median_ms"]
+    assert "delta-varint" in format_mask_codec_table(rows)
+    with pytest.raises(ValueError):
+        bench_mask_codec(shard_size=10, k=11)
