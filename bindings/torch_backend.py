@@ -13,7 +13,7 @@ import torch.distributed as tdist
 
 from bindings.base import RawWork
 from bindings.communicator import BaseCommunicator, DoneWork
-from bindings.errors import CommError, CommTimeoutError, PeerFailureError
+from bindings.errors import CommAbortedError, CommError, CommTimeoutError, PeerFailureError
 from bindings.ops import ReduceOp
 from bindings.stats import ring_bytes
 
@@ -29,6 +29,30 @@ __all__ = [
 TorchReduceOp = tdist.ReduceOp
 
 logger = logging.getLogger(__name__)
+
+
+def _import_world_default_modules() -> None:
+    """Import, while no default group exists, the torch modules that bind ``group.WORLD`` at import.
+
+    ``torch.distributed.nn.functional`` spells ``group=group.WORLD`` in its
+    signatures, so the default group of the moment becomes a default argument
+    for the life of the process. torch imports that module late:
+    ``torch._dynamo`` pulls it in, and ``torch.optim`` imports ``torch._dynamo``
+    with the first optimizer, normally after ``init_process_group``. The
+    default group then outlives ``destroy_process_group``, its gloo worker
+    threads run into interpreter teardown, and the process can abort there
+    (see :meth:`TorchCommunicator._raw_close`). Imported before any group
+    exists, those defaults are ``None``.
+    """
+    if tdist.is_initialized():
+        return
+    try:
+        import torch.distributed.nn.functional  # noqa: F401
+    except ImportError as exc:  # a torch built without it binds nothing either
+        logger.debug("torch.distributed.nn.functional: %s", exc)
+
+
+_import_world_default_modules()
 
 # torch renamed the tensor-form collectives in 2026 and warns on the old names;
 # call whichever spelling this torch has, newest first.
@@ -227,7 +251,8 @@ class TorchCommunicator(BaseCommunicator):
             self._global_ranks = tdist.get_process_group_ranks(pg)
             self._backend = str(tdist.get_backend(pg)).lower()
             self._is_world = group is None or pg is tdist.group.WORLD
-        self._pg: tdist.ProcessGroup = pg
+        # ``None`` once closed (standalone groups excepted): see _raw_close.
+        self._pg: tdist.ProcessGroup | None = pg
         self._owns_world = owns_world and self._is_world
         super().__init__(rank, size, timeout=timeout, check_collectives=check_collectives)
         self.native_avg = self._backend == "nccl"
@@ -260,8 +285,18 @@ class TorchCommunicator(BaseCommunicator):
 
     @property
     def process_group(self) -> tdist.ProcessGroup:
-        """The underlying torch process group (for interop, e.g. DDP)."""
-        return self._pg
+        """The underlying torch process group (for interop, e.g. DDP).
+
+        Raises:
+            CommAbortedError: The communicator was closed (it no longer holds the group).
+        """
+        return self._group()
+
+    def _group(self) -> tdist.ProcessGroup:
+        pg = self._pg
+        if pg is None:
+            raise CommAbortedError("process group: the communicator was closed")
+        return pg
 
     def _meta_device(self) -> torch.device:
         if self._backend == "nccl":
@@ -278,7 +313,7 @@ class TorchCommunicator(BaseCommunicator):
         return {kind: self._g(rank)}
 
     def _raw_all_reduce(self, buf: torch.Tensor, op: ReduceOp) -> RawWork:
-        return _call("all_reduce", tdist.all_reduce, buf, op=_TORCH_OPS[op], group=self._pg, async_op=True)
+        return _call("all_reduce", tdist.all_reduce, buf, op=_TORCH_OPS[op], group=self._group(), async_op=True)
 
     def _raw_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp) -> RawWork:
         if self.reduce_scatter_uses_all_reduce(inp.numel() * inp.element_size()):
@@ -287,7 +322,9 @@ class TorchCommunicator(BaseCommunicator):
             full = self._scratch.take(inp.numel(), inp.dtype, inp.device)
             full.copy_(inp.view(-1))
             lo = self.rank * out.numel()
-            inner = _call("reduce_scatter", tdist.all_reduce, full, op=_TORCH_OPS[op], group=self._pg, async_op=True)
+            inner = _call(
+                "reduce_scatter", tdist.all_reduce, full, op=_TORCH_OPS[op], group=self._group(), async_op=True
+            )
 
             def then() -> None:
                 out.view(-1).copy_(full[lo : lo + out.numel()])
@@ -300,30 +337,30 @@ class TorchCommunicator(BaseCommunicator):
             out.view(-1),
             inp.view(-1),
             op=_TORCH_OPS[op],
-            group=self._pg,
+            group=self._group(),
             async_op=True,
         )
 
     def _raw_all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> RawWork:
-        return _call("all_gather", _all_gather_tensor, out.view(-1), inp.view(-1), group=self._pg, async_op=True)
+        return _call("all_gather", _all_gather_tensor, out.view(-1), inp.view(-1), group=self._group(), async_op=True)
 
     def _raw_broadcast(self, buf: torch.Tensor, src: int) -> RawWork:
-        return _call("broadcast", tdist.broadcast, buf, **self._peer("src", src), group=self._pg, async_op=True)
+        return _call("broadcast", tdist.broadcast, buf, **self._peer("src", src), group=self._group(), async_op=True)
 
     def _raw_barrier(self) -> RawWork:
-        return _call("barrier", tdist.barrier, group=self._pg, async_op=True)
+        return _call("barrier", tdist.barrier, group=self._group(), async_op=True)
 
     def _raw_send(self, buf: torch.Tensor, dst: int, tag: int) -> RawWork:
         if buf.numel() == 0:  # gloo cannot receive 0 bytes from any source: send one token byte
             buf = torch.zeros(1, dtype=torch.uint8, device=buf.device)
-        return _call("send", tdist.isend, buf, **self._peer("dst", dst), group=self._pg, tag=tag)
+        return _call("send", tdist.isend, buf, **self._peer("dst", dst), group=self._group(), tag=tag)
 
     def _raw_recv(self, buf: torch.Tensor, src: int | None, tag: int) -> tuple[RawWork, Callable[[], int]]:
         if buf.numel() == 0:  # matches the token byte of _raw_send
             buf = torch.zeros(1, dtype=torch.uint8, device=buf.device)
         try:
             peer = {} if src is None else self._peer("src", src)
-            work = tdist.irecv(buf, **peer, group=self._pg, tag=tag)
+            work = tdist.irecv(buf, **peer, group=self._group(), tag=tag)
         except Exception as exc:  # noqa: BLE001
             raise translate_torch_error("recv", exc) from exc
         if src is not None:
@@ -353,22 +390,46 @@ class TorchCommunicator(BaseCommunicator):
         return TorchCommunicator(pg, timeout=self.timeout, check_collectives=self.check_collectives)
 
     def _raw_abort(self) -> None:
+        pg = self._pg
+        if pg is None:
+            return
         try:
-            self._pg.abort()
+            pg.abort()
         except Exception as exc:  # noqa: BLE001 - abort is best effort by definition
             logger.debug("process group abort raised %s", exc)
 
     def _raw_close(self) -> None:
+        """Shut the group down and drop this communicator's reference to it.
+
+        gloo's worker threads live as long as the ``ProcessGroupGloo`` object.
+        torch's ``destroy_process_group`` only unregisters the group: while
+        anything still references it (this communicator, kept alive by a
+        ``Group``, an optimizer or a script variable) the threads run on into
+        interpreter teardown. A worker that drops its last collective there
+        frees tensors whose Python objects need the GIL; a thread asking for
+        the GIL during finalization is ended with ``pthread_exit``, whose
+        unwinding through gloo's destructors calls ``std::terminate``
+        ("terminate called without an active exception", SIGABRT). With the
+        reference gone the group is destroyed here instead, and its destructor
+        joins the workers (without the GIL) while the interpreter is whole.
+        A standalone group is only shut down: its owner keeps it.
+        """
+        pg = self._pg
+        if pg is None:
+            return
         if self._standalone:
+            # kept: its owner (one membership epoch) decides when it goes, and a worker stuck on a
+            # lost peer would hold the destructor until the transport timeout
             try:
-                self._pg.shutdown()
+                pg.shutdown()
             except Exception as exc:  # noqa: BLE001
                 logger.debug("process group shutdown raised %s", exc)
             return
+        self._pg = None
         if self._is_world and not self._owns_world:
             return  # torch's default group belongs to whoever called init_process_group
         try:
-            tdist.destroy_process_group(None if self._is_world else self._pg)
+            tdist.destroy_process_group(None if self._is_world else pg)
         except Exception as exc:  # noqa: BLE001
             logger.debug("destroy_process_group raised %s", exc)
 
