@@ -25,9 +25,11 @@ after it is snapshotted. The optimizer step runs before the vote; its
 changes, like every other change of the step, count only if the vote
 commits. When a peer fails anywhere in the body (or the vote fails), the
 members move to the next epoch (a spare takes the dead slot, or the world
-shrinks), restore the newest step that every slot still holds, and
-:meth:`steps` goes on from the step after it: at most the failed step is run
-again. An error that is not a peer failure leaves the ``with`` unchanged.
+shrinks), restore the newest step that every slot still holds, replicate
+it to the buddies again (so a second failure right after finds every slot
+protected), and :meth:`steps` goes on from the step after it: at most the
+failed step is run again. An error that is not a peer failure leaves the
+``with`` unchanged.
 
 **State.** Every snapshot holds, per slot: the optimizer's state (our sharded
 optimizers: their shard and master weights; a plain ``torch.optim`` optimizer:
@@ -548,6 +550,8 @@ class ResilientTraining:
         self._snaps.clear()
         self._snaps.put(max(restore_step, 0), self._tree(max(restore_step, 0)))
         self._snaps.start_replication(max(restore_step, 0), self._snapshot_headroom())
+        # every slot is protected again before the next step: the restored state is on its buddy
+        self._snaps.drain()
         phases["replication_s"] = time.time() - t0
         for s in [s for s in self.losses if s > restore_step]:
             del self.losses[s]
