@@ -398,6 +398,16 @@ class TorchCommunicator(BaseCommunicator):
         except Exception as exc:  # noqa: BLE001 - abort is best effort by definition
             logger.debug("process group abort raised %s", exc)
 
+    def release(self) -> tdist.ProcessGroup | None:
+        """Hand the group over to its owner and forget it (``None`` if already gone).
+
+        For the owner of a standalone group that wants it destroyed at a time
+        of its choosing (e.g. on a background thread); the communicator is
+        unusable afterwards.
+        """
+        pg, self._pg = self._pg, None
+        return pg
+
     def _raw_close(self) -> None:
         """Shut the group down and drop this communicator's reference to it.
 

@@ -329,10 +329,18 @@ class ResilientTraining:
         self.close()
 
     def close(self) -> None:
-        """Stop the replication, the optimizer's background work and the communicator (local, idempotent)."""
+        """Stop the replication, the optimizer's background work and the communicator (local, idempotent).
+
+        After :meth:`finish` the optimizer's collectives in flight are finished;
+        on any other way out (an error) they are dropped, never waited for.
+        """
         self._snaps.stop()
-        if self._opt is not None and hasattr(self._opt, "close"):
-            self._opt.close()
+        opt, self._opt = self._opt, None
+        if opt is not None:
+            if self._finished and hasattr(opt, "close"):
+                opt.close()
+            elif hasattr(opt, "abandon"):
+                opt.abandon()
         self.comm.close()
 
     def __enter__(self) -> ResilientTraining:

@@ -507,12 +507,18 @@ class FaultAwareCommunicator(BaseCommunicator):
         self._closed = True
         self._m.leave()
         inner, side = self._inner, self._side
+        groups = []
         if side is not None:
             side.transport.close()
+            groups.append(side.transport.release())
         if inner is not None:
             inner.close()
-        # the transports of failed epochs are destroyed on the reaper thread: exiting before it is done
-        # would tear the interpreter down under a native destructor (SIGABRT)
+            groups.append(inner.release())
+        # Every group must be destroyed while the interpreter is whole: gloo's worker threads run as long
+        # as their group object, and teardown with them alive aborts the process (SIGABRT). The last
+        # epoch's groups go now, the failed epochs' are already on the reaper thread: wait for both.
+        REAPER.bury(*groups, grace_s=0.0)
+        del groups
         if not REAPER.drain(self.timeout.total_seconds()):
             logger.warning("close: transports of failed epochs still closing after %s", self.timeout)
 

@@ -194,8 +194,15 @@ class _Reaper:
         self._pending = 0
         self._idle = threading.Condition(self._lock)
 
-    def bury(self, *transports: Any) -> None:
-        """Hand transports over (``None`` entries are skipped); drop your own references afterwards."""
+    def bury(self, *transports: Any, grace_s: float | None = None) -> None:
+        """Hand transports over (``None`` entries are skipped); drop your own references afterwards.
+
+        Args:
+            transports: What to destroy.
+            grace_s: Delay before the destructor runs (default: long enough for
+                the caller's own references to be gone).
+        """
+        grace = self._GRACE_S if grace_s is None else grace_s
         with self._lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="sparsecomm-reaper", daemon=True)
@@ -204,7 +211,7 @@ class _Reaper:
             if t is not None:
                 with self._lock:
                     self._pending += 1
-                self._queue.put((time.monotonic() + self._GRACE_S, t))
+                self._queue.put((time.monotonic() + grace, t))
 
     def drain(self, timeout_s: float) -> bool:
         """Wait until every buried transport is destroyed; ``False`` if some are still pending after ``timeout_s``.
