@@ -14,7 +14,7 @@ very same moment) are driven from here: :class:`_Job` runs the job on a
 thread and watches the workers' event files.
 
 ``SPARSECOMM_DEADPOOL_FAILURES`` sets the number of consecutive failures of
-:func:`test_many_consecutive_failures` (default 20).
+:func:`test_many_consecutive_failures` (default 10).
 """
 
 from __future__ import annotations
@@ -230,7 +230,7 @@ def test_second_failure_right_after_the_first(tmp_path: Path, reference) -> None
 @pytest.mark.timeout(600)
 def test_many_consecutive_failures(tmp_path: Path, reference) -> None:
     """A kill at every step of a stretch, each taken by a fresh spare."""
-    failures = int(os.environ.get("SPARSECOMM_DEADPOOL_FAILURES", "20"))
+    failures = int(os.environ.get("SPARSECOMM_DEADPOOL_FAILURES", "10"))
     config = _config("scape", nproc=3, steps=failures + 10, eval_interval=10, job_timeout_s=540.0)
     ref = reference(config)
     # slots 0 and 1 in turn: a kill of the last slot costs a 30 s stall of its buddy (see
