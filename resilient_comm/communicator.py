@@ -33,7 +33,7 @@ from bindings.errors import CommError, PeerFailureError
 from bindings.ops import ReduceOp
 from bindings.torch_backend import TorchCommunicator, standalone_process_group
 from resilient_comm.errors import MembershipError, StaleEpochError
-from resilient_comm.guard import REAPER, EpochGuard, GuardedWork, call_unless_aborted
+from resilient_comm.guard import REAPER, EpochGuard, GuardedWork, call_unless_aborted, join_helpers
 from resilient_comm.membership import StoreMembership
 from resilient_comm.protocol import Reconfiguration
 from resilient_comm.view import View
@@ -282,7 +282,11 @@ class FaultAwareCommunicator(BaseCommunicator):
                 old.abort()
             if old_side is not None:
                 old_side.transport.abort()
-            REAPER.bury(old, old_side)
+            # the groups themselves go to the reaper: work given up on (an optimizer's abandoned
+            # gathers, say) may keep the communicator objects alive for long, but not their groups
+            REAPER.bury(
+                None if old is None else old.release(), None if old_side is None else old_side.transport.release()
+            )
             del old, old_side
             if self._epoch_failed(view.epoch):
                 self._abort_transports(view.epoch)
@@ -519,8 +523,8 @@ class FaultAwareCommunicator(BaseCommunicator):
         # epoch's groups go now, the failed epochs' are already on the reaper thread: wait for both.
         REAPER.bury(*groups, grace_s=0.0)
         del groups
-        if not REAPER.drain(self.timeout.total_seconds()):
-            logger.warning("close: transports of failed epochs still closing after %s", self.timeout)
+        if not (REAPER.drain(self.timeout.total_seconds()) and join_helpers(self.timeout.total_seconds())):
+            logger.warning("close: transports or their waits still busy after %s", self.timeout)
 
     def _raw_close(self) -> None:  # pragma: no cover - close() is overridden
         pass

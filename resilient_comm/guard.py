@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 from bindings.base import RawWork
 from bindings.errors import CommError, PeerFailureError
 
-__all__ = ["EpochGuard", "GuardedWork", "REAPER", "call_unless_aborted"]
+__all__ = ["EpochGuard", "GuardedWork", "REAPER", "call_unless_aborted", "join_helpers"]
 
 T = TypeVar("T")
 
@@ -42,6 +42,55 @@ class EpochGuard:
     fail: Callable[[int, str], None]
     failure: Callable[[int, str], PeerFailureError]
     timeout_s: float
+
+
+class _Helpers:
+    """The helper threads still inside a transport call (see :func:`join_helpers`)."""
+
+    def __init__(self) -> None:
+        self._live: set[threading.Thread] = set()
+        self._lock = threading.Lock()
+
+    def start(self, target: Callable[[], object], name: str) -> threading.Thread:
+        def run() -> None:
+            try:
+                target()
+            finally:
+                with self._lock:
+                    self._live.discard(threading.current_thread())
+
+        thread = threading.Thread(target=run, name=name, daemon=True)
+        with self._lock:
+            self._live.add(thread)
+        thread.start()
+        return thread
+
+    def join(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                live = list(self._live)
+            if not live:
+                return True
+            for thread in live:
+                thread.join(max(0.0, deadline - time.monotonic()))
+            if time.monotonic() >= deadline:
+                with self._lock:
+                    return not self._live
+
+
+_HELPERS = _Helpers()
+
+
+def join_helpers(timeout_s: float) -> bool:
+    """Wait until no helper thread is inside a transport call; ``False`` if some still are after ``timeout_s``.
+
+    A helper waits in native code, without the GIL, for an operation its
+    caller may have given up on. If the interpreter shuts down before that
+    call returns, the thread is ended inside native frames and the process
+    aborts (SIGABRT): a process leaves only once they are done.
+    """
+    return _HELPERS.join(timeout_s)
 
 
 class GuardedWork:
@@ -81,8 +130,7 @@ class GuardedWork:
         self._helper: threading.Thread | None = None
         if op not in self._POLLABLE:  # start waiting now, so is_completed() works before wait()
             deadline = time.monotonic() + guard.timeout_s
-            self._helper = threading.Thread(target=self._wait_in_transport, args=(deadline,), daemon=True)
-            self._helper.start()
+            self._helper = _HELPERS.start(lambda: self._wait_in_transport(deadline), f"sparsecomm-wait-{op}")
 
     def wait(self, timeout_s: float | None) -> None:
         """Finish the operation, or raise ``PeerFailureError`` when its epoch fails or the deadline passes."""
@@ -163,8 +211,7 @@ def call_unless_aborted(fn: Callable[[], T], aborted: Callable[[], bool], *, nam
         except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError/DistError on a failed rendezvous
             box["error"] = exc
 
-    helper = threading.Thread(target=run, name=name, daemon=True)
-    helper.start()
+    helper = _HELPERS.start(run, name)
     while helper.is_alive():
         helper.join(0.005)
         if helper.is_alive() and aborted():

@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 
 from bindings.store import open_store
+from resilient_comm.events import read_events
 from resilient_comm.keys import COMMITTED
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
@@ -69,7 +70,7 @@ def _run(tmp: Path, optimizer: str, spares: int, kill: tuple[int, int] | None = 
     """Run the example as a job; with ``kill=(slot, step)``, SIGKILL that worker once ``step - 1`` is committed."""
     out, port = tmp / "report.json", _free_port()
     cmd = [sys.executable, "-m", "optim", "launch", "--nproc", "4", "--spares", str(spares), "--port", str(port)]
-    cmd += ["--heartbeat-timeout", "10", "--job-timeout", str(JOB_TIMEOUT_S)]
+    cmd += ["--heartbeat-timeout", "10", "--job-timeout", str(JOB_TIMEOUT_S), "--events", str(tmp / "events.jsonl")]
     cmd += ["--", sys.executable, str(EXAMPLE), "--optimizer", optimizer, "--steps", str(STEPS), "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
@@ -100,7 +101,8 @@ def _run(tmp: Path, optimizer: str, spares: int, kill: tuple[int, int] | None = 
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     log = output.decode(errors="replace")[-3000:]
-    assert proc.returncode == 0, log
+    exits = [e for e in read_events(tmp / "events.jsonl", missing_ok=True) if e["event"] == "member_exited"]
+    assert proc.returncode == 0, f"{log}\nexits: {exits}\nkilled: {killed}"
     report = json.loads(out.read_text())
     return {"report": report, "killed": killed, "log": log}
 
