@@ -16,13 +16,17 @@ comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 PYTEST_ARGS ?=
 
-.PHONY: train test setup bench gpu-check lint clean
+.PHONY: train test test-fast setup bench gpu-check lint clean
 
 train: $(STAMP)
 	$(BIN)/sparsecomm train $(TRAIN_ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The inner loop: everything that starts no rank processes and no mpirun (unit tests), in well under 2 minutes.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow and not dist and not mpi" $(PYTEST_ARGS)
 
 setup: $(STAMP)
 
