@@ -18,6 +18,7 @@ from bindings.ops import ReduceOp
 from bindings.stats import ring_bytes
 
 __all__ = [
+    "GradBucket",
     "TorchCommunicator",
     "TorchReduceOp",
     "as_torch_communicator",
@@ -27,6 +28,9 @@ __all__ = [
 
 #: torch.distributed's ``ReduceOp``, re-exported by the drop-in API.
 TorchReduceOp = tdist.ReduceOp
+
+#: DDP's gradient bucket, as its comm hooks receive it (DDP checks a hook's annotation against it).
+GradBucket = tdist.GradBucket
 
 logger = logging.getLogger(__name__)
 

@@ -174,6 +174,10 @@ class MaskSchedule:
             raise ValueError("mask: built for another numel or world size")
         self._ready[step] = mask
 
+    def scheduled(self, step: int) -> bool:
+        """Whether a mask for ``step`` is installed or being gathered (no wait, nothing dropped)."""
+        return step in self._ready or step in self._in_flight
+
     def mask_for(self, step: int) -> ShardedMask | None:
         """Return the mask of ``step``, waiting for its all-gather if it is still in flight.
 
