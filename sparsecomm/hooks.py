@@ -442,7 +442,7 @@ class _Worker:
             try:
                 result = job()
             except BaseException as exc:  # noqa: BLE001 - delivered to DDP through the future
-                fut.set_exception(exc)
+                fut.set_exception(exc)  # type: ignore[arg-type]  # torch's stub types it as the result
             else:
                 fut.set_result(result)
             with self._idle:

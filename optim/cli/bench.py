@@ -19,8 +19,9 @@ from optim.benchmarks.output import bench_env, write_bench_json
 from optim.benchmarks.sparse_ops import bench_pack
 from optim.benchmarks.suite import HORIZONS, SETTINGS
 from optim.cli.bench_checkpoint import add_checkpoint_parser
+from optim.cli.bench_hooks import add_hooks_parser
 from optim.cli.bench_recovery import add_recovery_parser
-from optim.cli.options import add_model_options, add_scape_options, model_settings, scape_settings
+from optim.cli.options import add_model_options, add_scape_options, densities_arg, model_settings, scape_settings
 from optim.train_job.train import TrainConfig
 
 __all__ = [
@@ -169,16 +170,6 @@ def _fmt_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
     return f"{n:.2f} GB"
-
-
-def _densities(text: str) -> tuple[float, ...]:
-    try:
-        items = tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a comma list of densities, got {text!r}") from None
-    if not items or any(not 0.0 < d <= 1.0 for d in items):
-        raise argparse.ArgumentTypeError(f"densities must be in (0, 1], got {text!r}")
-    return items
 
 
 def format_convergence_table(bench: dict[str, Any]) -> str:
@@ -330,7 +321,7 @@ def _add_convergence_parser(inner: Any) -> None:
     p.add_argument("--out", metavar="DIR", default="runs/convergence", help="output directory")
     p.add_argument(
         "--densities",
-        type=_densities,
+        type=densities_arg,
         default=DEFAULT_DENSITIES,
         help="comma list of SCAPE densities (default " + ",".join(f"{x:g}" for x in DEFAULT_DENSITIES) + ")",
     )
@@ -459,7 +450,7 @@ def _add_optimizer_parser(inner: Any) -> None:
     p.add_argument("--warmup", type=int, default=d.warmup, help="untimed steps per optimizer")
     p.add_argument(
         "--densities",
-        type=_densities,
+        type=densities_arg,
         default=d.densities,
         help="comma list of SCAPE densities (default " + ",".join(f"{x:g}" for x in d.densities) + ")",
     )
@@ -524,3 +515,4 @@ def add_bench_parser(subparsers: Any) -> None:
     _add_optimizer_parser(inner)
     add_recovery_parser(inner)
     add_checkpoint_parser(inner)
+    add_hooks_parser(inner)

@@ -10,7 +10,7 @@ from optim.scape import MASK_SCORES, UNSELECTED_POLICIES
 from optim.train_job.tasks import ARCHS, CORPORA, TASKS
 from optim.train_job.train import TrainConfig
 
-__all__ = ["add_model_options", "add_scape_options", "model_settings", "scape_settings"]
+__all__ = ["add_model_options", "add_scape_options", "densities_arg", "model_settings", "scape_settings"]
 
 
 def add_model_options(p: argparse.ArgumentParser, d: TrainConfig) -> None:
@@ -37,6 +37,17 @@ def add_model_options(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     p.add_argument("--task", choices=TASKS, default=d.task, help="byte-level LM (text) or MLP on sklearn digits")
     p.add_argument("--corpus", choices=CORPORA, default=d.corpus, help="text task: corpus when no --data is given")
     p.add_argument("--arch", choices=ARCHS, default=d.arch, help="text task: transformer family")
+
+
+def densities_arg(text: str) -> tuple[float, ...]:
+    """argparse type: a comma list of densities in (0, 1]."""
+    try:
+        items = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of densities, got {text!r}") from None
+    if not items or any(not 0.0 < d <= 1.0 for d in items):
+        raise argparse.ArgumentTypeError(f"densities must be in (0, 1], got {text!r}")
+    return items
 
 
 def add_scape_options(p: argparse.ArgumentParser, d: TrainConfig) -> None:

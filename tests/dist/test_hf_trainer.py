@@ -36,3 +36,23 @@ def test_trainer_trains_with_sharded_optimizers(tmp_path: Path) -> None:
         assert res["scape1.0"]["digest"] == res["adams"]["digest"]
         for a, b in zip(res["sharded_adamw"]["losses"], res["adamw"]["losses"], strict=True):
             assert abs(a - b) < 0.01, (res["sharded_adamw"]["losses"], res["adamw"]["losses"])
+
+
+def test_trainer_with_sparsecomm_comm_hooks(tmp_path: Path) -> None:
+    """DDPCommCallback: SCAPE syncs while DDP sends nothing; AdamW rides on the sparse DDP hook."""
+    names = ["scape0.01+noclip", "scape0.01+sync", "adamw", "adamw+hook0.1"]
+    proc = run_torchrun("hf_trainer", 2, "--out", str(tmp_path), "--optimizers", ",".join(names), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for res in ranks:
+        for name in names:
+            r = res[name]
+            assert r["changed"] == r["params"], (name, r)
+            assert r["losses"][-1] < r["losses"][0] - 0.5, (name, r["losses"])
+            assert r["digest"] == ranks[0][name]["digest"], name
+        assert res["scape0.01+sync"]["comm_hook"] == "noop_hook"
+        assert res["adamw+hook0.1"]["comm_hook"] == "sparse_allreduce_hook"
+        # SCAPE on each rank's own gradients computes what it computed on DDP's averaged ones
+        assert res["scape0.01+sync"]["digest"] == res["scape0.01+noclip"]["digest"]
+        assert res["scape0.01+sync"]["optimizer_bytes"] == res["scape0.01+noclip"]["optimizer_bytes"] > 0
+        assert res["adamw+hook0.1"]["hook_bytes"] > 0 and res["adamw"]["hook_bytes"] == 0

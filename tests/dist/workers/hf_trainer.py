@@ -3,9 +3,13 @@
 A tiny GPT-2 built from a config (no download) learns a synthetic sequence
 task for a few steps with each optimizer named by ``--optimizers``, passed as
 ``Trainer(optimizers=(opt, None))`` after ``sparsecomm.distributed``
-initialized the job. Every rank writes ``<out>/rank<r>.json``: per optimizer,
-the logged losses, how many parameters changed, and a digest of the final
-parameters (equal on every rank when the replicas agree).
+initialized the job. A name may end in ``+sync`` (``DDPCommCallback(trainer)``: the optimizer syncs,
+DDP sends nothing; Trainer's clipping off, it would clip each rank's own
+gradient), ``+noclip`` (Trainer's clipping off, nothing else) or ``+hookD`` (``DDPCommCallback(trainer, SparseHookState(density=D))``:
+the sparse DDP hook). Every rank writes ``<out>/rank<r>.json``: per optimizer,
+the logged losses, how many parameters changed, a digest of the final
+parameters (equal on every rank when the replicas agree), the comm hook DDP
+ran and the bytes of sparsecomm's groups.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from transformers.utils import logging as hf_logging
 
 import optim
 import sparsecomm.distributed as dist
+from optim.integrations.huggingface import DDPCommCallback
+from sparsecomm.hooks import SparseHookState
 
 
 class Sequences(torch.utils.data.Dataset):
@@ -53,7 +59,8 @@ def make_optimizer(name: str, params: object) -> torch.optim.Optimizer:
     raise ValueError(f"unknown optimizer {name!r}")
 
 
-def run(name: str, out_dir: Path, steps: int) -> dict:
+def run(full_name: str, out_dir: Path, steps: int) -> dict:
+    name, _, comm = full_name.partition("+")
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=97, n_positions=32, n_embd=64, n_layer=2, n_head=2))
     opt = make_optimizer(name, model.parameters())
@@ -63,6 +70,7 @@ def run(name: str, out_dir: Path, steps: int) -> dict:
         use_cpu=True,
         ddp_backend="gloo",
         max_steps=steps,
+        max_grad_norm=0.0 if comm in ("sync", "noclip") else 1.0,
         per_device_train_batch_size=8,
         logging_steps=10,
         report_to=[],
@@ -71,7 +79,15 @@ def run(name: str, out_dir: Path, steps: int) -> dict:
         seed=0,
     )
     trainer = Trainer(model=model, args=args, train_dataset=Sequences(97, 32), optimizers=(opt, None))
+    hook_state = None
+    if comm == "sync":
+        trainer.add_callback(DDPCommCallback(trainer))
+    elif comm.startswith("hook"):
+        hook_state = SparseHookState(density=float(comm.removeprefix("hook")), start_iter=5)
+        trainer.add_callback(DDPCommCallback(trainer, hook_state))
+    bytes0 = dist.get_stats().bytes_sent
     trainer.train()
+    ddp_hook = trainer.model_wrapped._get_ddp_logging_data().get("comm_hook", "")
     trained = trainer.model.module if hasattr(trainer.model, "module") else trainer.model
     after = dict(trained.named_parameters())
     digest = hashlib.sha256()
@@ -84,6 +100,9 @@ def run(name: str, out_dir: Path, steps: int) -> dict:
         "changed": sum(not torch.equal(before[n], p.detach()) for n, p in after.items()),
         "params": len(after),
         "digest": digest.hexdigest(),
+        "comm_hook": ddp_hook,
+        "optimizer_bytes": dist.get_stats().bytes_sent - bytes0,
+        "hook_bytes": 0 if hook_state is None else hook_state.stats.bytes_sent,
     }
 
 
