@@ -18,6 +18,8 @@ from bindings.ops import ReduceOp
 from bindings.stats import ring_bytes
 
 __all__ = [
+    "FSDPAllGather",
+    "FSDPReduceScatter",
     "GradBucket",
     "TorchCommunicator",
     "TorchReduceOp",
@@ -31,6 +33,15 @@ TorchReduceOp = tdist.ReduceOp
 
 #: DDP's gradient bucket, as its comm hooks receive it (DDP checks a hook's annotation against it).
 GradBucket = tdist.GradBucket
+
+# FSDP2's custom-collective protocols (``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter``,
+# torch >= 2.8, a private module): ``None`` where this torch lacks them.
+try:
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as FSDPAllGather
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as FSDPReduceScatter
+except ImportError:  # pragma: no cover - older torch
+    FSDPAllGather = None  # type: ignore[assignment,misc]
+    FSDPReduceScatter = None  # type: ignore[assignment,misc]
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,25 @@
+"""torchrun, as users launch: the drop-in API, SCAPE and the sparse DDP hook in one job of 2 ranks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.dist.torchrun import run_torchrun
+
+pytestmark = pytest.mark.dist
+
+
+def test_drop_in_scape_and_hook_under_torchrun(tmp_path: Path) -> None:
+    proc = run_torchrun("torchrun_paths", 2, "--out", str(tmp_path), timeout=180)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for res in ranks:
+        assert res["world_size"] == 2 and res["all_reduce"] == [3.0] * 4
+        for path in ("scape", "ddp-sparse-hook"):
+            r = res[path]
+            assert r["digest"] == ranks[0][path]["digest"], path  # replicas agree
+            assert sum(r["losses"][-5:]) < 0.5 * sum(r["losses"][:5]), (path, r["losses"])
+        assert res["ddp-sparse-hook"]["hook_bytes"] > 0
