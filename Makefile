@@ -22,6 +22,7 @@ train: $(STAMP)
 	$(BIN)/sparsecomm train $(TRAIN_ARGS)
 
 test: $(STAMP)
+	sh tests/slurm/install.sh
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The inner loop: everything that starts no rank processes and no mpirun (unit tests), in well under 2 minutes.
