@@ -25,7 +25,10 @@ WORKERS = ROOT / "tests" / "dist" / "workers"
 
 
 def run_torchrun(worker: str, nproc: int, *args: str, timeout: float = 240.0) -> subprocess.CompletedProcess[str]:
-    """Run ``tests/dist/workers/<worker>.py`` on ``nproc`` local ranks; fail the test on timeout."""
+    """Run ``tests/dist/workers/<worker>.py`` (or ``worker``, a path ending in ``.py``) on ``nproc`` local ranks.
+
+    The test fails on timeout.
+    """
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]])
     env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"})
@@ -36,7 +39,7 @@ def run_torchrun(worker: str, nproc: int, *args: str, timeout: float = 240.0) ->
         "--standalone",
         "--nproc-per-node",
         str(nproc),
-        str(WORKERS / f"{worker}.py"),
+        str(ROOT / worker if worker.endswith(".py") else WORKERS / f"{worker}.py"),
         *args,
     ]
     proc = subprocess.Popen(
