@@ -240,6 +240,13 @@ def _rank_bad(rank: int, ws: int) -> dict[str, str]:
         out["two_models"] = f"{type(exc).__name__}: {exc}"
     state.close()
     same.close()
+    ddp = _ddp(_model())
+    hook_state = SparseHookState(density=0.1)
+    ddp.register_comm_hook(hook_state, sparse_allreduce_hook)
+    try:  # DDP itself allows one hook per model
+        ddp.register_comm_hook(hook_state, sparse_allreduce_hook)
+    except RuntimeError as exc:
+        out["twice"] = str(exc)
     return out
 
 
@@ -248,6 +255,7 @@ def test_bad_use_raises_the_same_on_every_rank() -> None:
     for r in res:
         assert "ValueError" in r["sizes"] and "between 100 and 101" in r["sizes"]
         assert "ValueError" in r["two_models"] and "one state serves one DDP model" in r["two_models"]
+        assert "only be called once" in r["twice"]
     assert res[0] == res[1]
 
 

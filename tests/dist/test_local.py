@@ -318,7 +318,9 @@ def test_bfloat16_wire_averages_twice_as_much_for_the_same_bytes(kind: str) -> N
         if t >= WARM and schedule == "periodic":
             averaged = (t + 1 - WARM) % 4 == 0
             assert torch.equal(got[0], got[1]) == averaged, t
-            assert res[0]["sent"][t].get("all_reduce", 0) == (2 * (ws - 1) * math.ceil(numel / ws) * 2 if averaged else 0)
+            assert res[0]["sent"][t].get("all_reduce", 0) == (
+                2 * (ws - 1) * math.ceil(numel / ws) * 2 if averaged else 0
+            )
 
 
 def _rank_written(rank: int, ws: int) -> dict:
@@ -373,7 +375,9 @@ def _dense_noisy_signal(ws: int) -> float:
     mu = torch.full((400,), 0.1)
     opt = AdamS([w], lr=0.01)
     for t in range(60):
-        noise = torch.stack([torch.randn(400, generator=torch.Generator().manual_seed(1000 * t + r)) for r in range(ws)])
+        noise = torch.stack(
+            [torch.randn(400, generator=torch.Generator().manual_seed(1000 * t + r)) for r in range(ws)]
+        )
         w.grad = mu + noise.mean(0)
         opt.step()
     return float(-w.detach().mean())

@@ -65,7 +65,7 @@ def test_drop_in_scape_and_hook_under_srun(slurm: SlurmCluster, tmp_path: Path) 
     ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
     for res in ranks:
         assert res["all_reduce"] == [3.0] * 4
-        for path in ("scape", "ddp-sparse-hook"):
+        for path in ("scape", "ddp-sparse-hook", "fsdp2"):
             assert res[path]["digest"] == ranks[0][path]["digest"]
 
 

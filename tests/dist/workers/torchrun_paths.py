@@ -1,8 +1,8 @@
-"""The drop-in API, SCAPE and the sparse DDP hook in one script, as a user launches it with torchrun.
+"""The drop-in API, SCAPE, the sparse DDP hook and FSDP2 over sparsecomm in one script, as users launch it.
 
 Every rank writes ``<out>/rank<r>.json``: the result of a drop-in
 ``all_reduce``, and per path (``scape``, ``ddp-sparse-hook``) the losses and a
-digest of the final parameters.
+digest of the final parameters (FSDP2's gathered in full).
 """
 
 from __future__ import annotations
@@ -73,6 +73,32 @@ def main() -> None:
         "hook_bytes": state.stats.bytes_sent,
     }
     state.close()
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import sparsecomm.fsdp
+
+    m = model()
+    mesh = init_device_mesh("cpu", (ws,))
+    for layer in m:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    sparsecomm.fsdp.use_sparsecomm(m)
+    before = dist.get_stats().as_dict()
+    losses = train(m, torch.optim.AdamW(m.parameters(), lr=1e-2), rank, a.steps)
+    after = dist.get_stats().as_dict()
+    full = hashlib.sha256()
+    for p in m.parameters():
+        full.update(p.full_tensor().detach().contiguous().numpy().tobytes())
+    out["fsdp2"] = {
+        "losses": losses,
+        "digest": full.hexdigest(),
+        "fsdp_bytes": sum(
+            after[k]["bytes_sent"] - before.get(k, {}).get("bytes_sent", 0) for k in after if k.startswith("fsdp_")
+        ),
+    }
     (a.out / f"rank{rank}.json").write_text(json.dumps(out))
     dist.barrier()
     dist.destroy_process_group()
