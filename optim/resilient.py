@@ -46,6 +46,17 @@ same data. Under hot-swap ranks and world size never change, and a run with
 failures follows the failure-free one bit for bit on CPU; a shrink re-shards
 the optimizer over fewer ranks and changes the data split from then on.
 
+**Bad steps.** A step whose loss or gradient is not finite (NaN or Inf) on
+any rank is skipped everywhere: :meth:`optimizer_step` finds it (one
+all-reduce carries every rank's verdict with the loss), no optimizer steps,
+the model's buffers go back to what they were when the step began, the step
+commits as *skipped* (:attr:`ResilientTraining.skipped`; no loss recorded)
+and :meth:`steps` goes on with the next step, so that step's batch is
+skipped deterministically. ``ResilientConfig.max_bad_steps`` consecutive
+skips are absorbed; one more ends the run with :class:`BadStepsError` on
+every rank. An LR scheduler the loop steps still advances over a skipped
+step (as with ``torch.amp.GradScaler``).
+
 The optimizer is rebuilt by ``optimizer(model)`` after every failure: reach
 it through :attr:`ResilientTraining.optimizer`, never through a reference
 kept across steps.
@@ -54,6 +65,7 @@ kept across steps.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -75,7 +87,7 @@ from optim.snapshot import UnrecoverableStateError
 from resilient_comm import FaultAwareCommunicator, Reconfiguration
 from sparsecomm.mask import k_for
 
-__all__ = ["ResilientConfig", "ResilientTraining", "Stateful", "UnrecoverableStateError"]
+__all__ = ["BadStepsError", "ResilientConfig", "ResilientTraining", "Stateful", "UnrecoverableStateError"]
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +105,10 @@ class Stateful(Protocol):
         ...
 
 
+class BadStepsError(RuntimeError):
+    """More consecutive steps had a non-finite loss or gradient than ``ResilientConfig.max_bad_steps`` allows."""
+
+
 #: ``on_event(name, fields)``: a hook for the job's own event log.
 EventHook = Callable[[str, dict[str, Any]], None]
 
@@ -108,11 +124,15 @@ class ResilientConfig:
         snapshot_block: Benchmarks only: when > 0, snapshots alternate in blocks
             of this many steps with a snapshot, then as many without, starting
             with snapshots at step 1. 0: a snapshot after every committed step.
+        max_bad_steps: Consecutive steps with a non-finite loss or gradient
+            that are skipped (rolled back, their batch skipped); the next one
+            raises :class:`BadStepsError`. 0: the first one raises.
     """
 
     timeout: timedelta = timedelta(seconds=60)
     snapshots: bool = True
     snapshot_block: int = 0
+    max_bad_steps: int = 3
 
     def __post_init__(self) -> None:
         if not isinstance(self.timeout, timedelta) or self.timeout.total_seconds() <= 0:
@@ -122,6 +142,9 @@ class ResilientConfig:
         block = self.snapshot_block
         if isinstance(block, bool) or not isinstance(block, int) or block < 0:
             raise ValueError(f"snapshot_block: must be an int >= 0, got {block!r}")
+        bad = self.max_bad_steps
+        if isinstance(bad, bool) or not isinstance(bad, int) or bad < 0:
+            raise ValueError(f"max_bad_steps: must be an int >= 0, got {bad!r}")
 
     def snapshots_at(self, step: int) -> bool:
         """Whether the state after ``step`` is snapshotted."""
@@ -170,7 +193,7 @@ class ResilientTraining:
             connected from the environment ``sparsecomm launch`` sets, and made
             the default group of :mod:`sparsecomm.distributed`).
         on_event: Called with ``(name, fields)`` at ``joined``, ``promoted``,
-            ``committed``, ``failed`` and ``restored``.
+            ``committed``, ``bad_step``, ``failed`` and ``restored``.
 
     Raises:
         TypeError: A bad argument.
@@ -225,8 +248,13 @@ class ResilientTraining:
         self._entered = 0  # steps entered so far (a yielded step that is never entered is a bug of the loop)
         self._stepped = False
         self._loss: float | None = None
+        self._bad: list[int] | None = None  # the ranks whose loss or gradient was not finite in this step
+        self._bad_run = 0
+        self._entry_buffers: dict[str, torch.Tensor] = {}
         self._t0 = 0.0
         self.losses: dict[int, float] = {}
+        self.skipped: list[int] = []
+        """Steps skipped because a loss or gradient was not finite (committed, with no optimizer step)."""
         self.recoveries: list[dict[str, Any]] = []
         self.stats: dict[str, Any] = {}
 
@@ -289,20 +317,44 @@ class ResilientTraining:
         A plain torch optimizer first gets its gradients averaged over the
         ranks (one all-reduce); ours synchronize gradients themselves.
 
+        Every rank's verdict on its loss and gradients (finite or not) travels
+        with the loss: where any rank has a NaN or Inf, no rank steps the
+        optimizer and the step is skipped (module docstring, "Bad steps").
+
         Returns:
-            The rank-averaged loss (``None`` when no loss was given); it becomes
-            :attr:`losses`\\ ``[step]`` once the step commits.
+            The rank-averaged loss (``None`` when no loss was given, or when the
+            step is skipped); it becomes :attr:`losses`\\ ``[step]`` once the
+            step commits.
+
+        Raises:
+            BadStepsError: On every rank, when this would be skipped step number
+                ``max_bad_steps + 1`` in a row.
         """
         if self._in_step is None:
             raise RuntimeError("optimizer_step: call it inside `with ft.step(step):`")
         if self._stepped:
             raise RuntimeError(f"optimizer_step: already called in step {self._in_step}")
-        mean: float | None = None
+        ws, rank = self.comm.world_size, self.comm.rank
+        value = 0.0
         if loss is not None:
-            value = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
-            buf = value.reshape(1).to(torch.float32).clone()
-            dist.all_reduce(buf, op=dist.ReduceOp.AVG)
-            mean = float(buf.item())
+            value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+        bad = (loss is not None and not math.isfinite(value)) or not self._gradients_finite()
+        # [loss, one verdict per rank]: averaged, a rank's entry stays > 0 where it found a NaN or Inf
+        buf = torch.zeros(1 + ws, dtype=torch.float32)
+        buf[0] = value if math.isfinite(value) else 0.0
+        buf[1 + rank] = 1.0 if bad else 0.0
+        dist.all_reduce(buf, op=dist.ReduceOp.AVG)
+        bad_ranks = [r for r in range(ws) if float(buf[1 + r]) > 0.0]
+        if bad_ranks:
+            if self._bad_run >= self.config.max_bad_steps:
+                raise BadStepsError(
+                    f"step {self._in_step}: loss or gradient not finite on ranks {bad_ranks}, after "
+                    f"{self._bad_run} skipped steps in a row (max_bad_steps={self.config.max_bad_steps})"
+                )
+            self._opt.zero_grad(set_to_none=True)
+            self._stepped, self._loss, self._bad = True, None, bad_ranks
+            return None
+        mean: float | None = float(buf[0].item()) if loss is not None else None
         if not isinstance(self._opt, _ShardedOptimizer):
             self._average_gradients()
         self._snaps.settle()
@@ -360,7 +412,8 @@ class ResilientTraining:
             raise RuntimeError(f"step {index}: step {self._in_step} is still open")
         if index != self._next:
             raise ValueError(f"step: expected step {self._next} (from steps()), got {index!r}")
-        self._in_step, self._stepped, self._loss = index, False, None
+        self._in_step, self._stepped, self._loss, self._bad = index, False, None, None
+        self._entry_buffers = {n: b.detach().clone() for n, b in self.model.named_buffers()}
         self._entered += 1
         self._t0 = time.perf_counter()
 
@@ -384,6 +437,15 @@ class ResilientTraining:
         return True
 
     def _committed(self, step: int) -> None:
+        if self._bad is not None:  # a skipped step: nothing of it stays but its index
+            with torch.no_grad():
+                for name, b in self.model.named_buffers():
+                    b.copy_(self._entry_buffers[name])
+            self.skipped.append(step)
+            self._bad_run += 1
+            self._event("bad_step", step=step, ranks=self._bad, in_a_row=self._bad_run)
+        else:
+            self._bad_run = 0
         if self._loss is not None:
             self.losses[step] = self._loss
         snap = self.config.snapshots_at(step)
@@ -392,6 +454,11 @@ class ResilientTraining:
         self._next = step + 1
         step_s = time.perf_counter() - self._t0
         self._event("committed", step=step, epoch=self.comm.epoch, loss=self._loss, step_s=step_s, snapshot=snap)
+
+    def _gradients_finite(self) -> bool:
+        """Whether every gradient of the model is finite (one float64 sum per tensor: no overflow)."""
+        sums = [p.grad.sum(dtype=torch.float64) for p in self.model.parameters() if p.grad is not None]
+        return not sums or bool(torch.stack(sums).isfinite().all())
 
     def _average_gradients(self) -> None:
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
@@ -440,6 +507,7 @@ class ResilientTraining:
             "state": {name: _copy_tensors(obj.state_dict()) for name, obj in self._state.items()},
             # the loss history travels too: a promoted spare knows every committed step's loss
             "losses": torch.tensor(sorted(self.losses.items()), dtype=torch.float64).reshape(-1, 2),
+            "skipped": torch.tensor(self.skipped + [self._bad_run], dtype=torch.int64),
         }
 
     def _snapshot_headroom(self) -> int:
@@ -449,7 +517,8 @@ class ResilientTraining:
         masks during its dense warm-up and ``mask_delay`` masks of
         ``world_size x k`` int64 indices once it is sparse.
         """
-        headroom = (64 << 10) + 16 * (self._total + 1)  # the loss history: (step, loss) float64 pairs
+        # the loss history, (step, loss) float64 pairs, and the skipped steps, int64
+        headroom = (64 << 10) + 24 * (self._total + 1)
         opt = self._opt
         if isinstance(opt, SCAPE) and opt.density < 1.0:
             b = opt.bucket
@@ -479,11 +548,14 @@ class ResilientTraining:
         for name, obj in self._state.items():
             obj.load_state_dict(tree["state"][name])
         self.losses = {int(k): float(v) for k, v in tree["losses"].tolist()}
+        *skipped, self._bad_run = tree["skipped"].tolist()
+        self.skipped = [int(s) for s in skipped]
         torch.set_rng_state(tree["rng"])
 
     def _restore(self, tree: dict[str, Any] | None) -> None:
         """Rebuild the optimizer and load ``tree`` (``None``: the initial state). Collective."""
         if tree is None:
+            self.skipped, self._bad_run = [], 0
             self.model.load_state_dict(self._init_model)
             torch.set_rng_state(self._init_rng)  # as after the model's initialisation in the first epoch
             for name, obj in self._state.items():

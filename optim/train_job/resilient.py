@@ -23,7 +23,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import math
 import os
 import signal
 import sys
@@ -138,9 +137,7 @@ def _run_worker(config: TrainConfig, res: ResilienceConfig, out: Path, log: Proc
         for step in ft.steps(config.steps):
             with ft.step(step):
                 loss = train_step(model, ft.optimizer, task, config, step, ft.rank)
-                train_loss = ft.optimizer_step(loss)
-                if train_loss is None or not math.isfinite(train_loss):
-                    raise RuntimeError(f"step {step}: training loss is {train_loss}")
+                ft.optimizer_step(loss)  # a step with a NaN or Inf anywhere is skipped (ft.skipped)
                 if step == config.steps or (config.eval_interval and step % config.eval_interval == 0):
                     evals[step] = _evaluate(model, ft.optimizer, task, config, ft.rank)
         member = ft.is_member
@@ -155,6 +152,7 @@ def _run_worker(config: TrainConfig, res: ResilienceConfig, out: Path, log: Proc
         "world_size": world_size,
         "epoch": epoch,
         "losses": {str(k): v for k, v in sorted(ft.losses.items())},
+        "skipped": ft.skipped,
         "evals": {str(k): v for k, v in sorted(evals.items())},
         "params_digest": _params_digest(model),
         "recoveries": ft.recoveries,
@@ -234,7 +232,7 @@ def run_resilient_training(config: TrainConfig, res: ResilienceConfig, out: str 
     # each evaluation from the final ranks that ran it (slot 0 first).
     losses: dict[int, float] = {}
     for e in events:
-        if e["source"] == "worker" and e["event"] == "committed":
+        if e["source"] == "worker" and e["event"] == "committed" and e.get("loss") is not None:
             losses[int(e["step"])] = e["loss"]
     losses.update({int(k): v for k, v in first.get("losses", {}).items()})
     evals: dict[int, float] = {}

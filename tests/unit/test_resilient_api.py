@@ -42,6 +42,8 @@ def test_stateful_protocol_matches_torch_objects() -> None:
         ({"snapshots": 1}, TypeError),
         ({"snapshot_block": -1}, ValueError),
         ({"snapshot_block": True}, ValueError),
+        ({"max_bad_steps": -1}, ValueError),
+        ({"max_bad_steps": 1.5}, ValueError),
     ],
 )
 def test_config_rejects_bad_values(kwargs: dict[str, Any], error: type[Exception]) -> None:
