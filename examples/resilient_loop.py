@@ -7,6 +7,11 @@ Run it as a fault-tolerant job (4 workers, 1 spare)::
 Kill any worker (``kill -9``) while it trains: the spare takes its slot, the
 members restore the newest step every slot still holds, and the losses and
 final parameters in ``run.json`` are bit-identical to a run without failures.
+
+With ``--checkpoint-dir DIR --checkpoint-every N`` every N-th committed step
+is also written to disk; kill the whole job (the launcher too) and run it
+again with ``--resume``: it goes on from the newest complete checkpoint, bit
+for bit.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import optim
-from optim.resilient import ResilientTraining
+from optim.resilient import ResilientConfig, ResilientTraining
 
 FEATURES, CLASSES, BATCH = 16, 4, 32
 TEACHER = torch.randn(FEATURES, CLASSES, generator=torch.Generator().manual_seed(1234))
@@ -49,6 +54,9 @@ def main() -> int:
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="scape")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--out", type=Path, required=True, help="JSON: the loss of every committed step")
+    p.add_argument("--checkpoint-dir", default=None, help="also write persistent checkpoints there")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="committed steps between checkpoints")
+    p.add_argument("--resume", action="store_true", help="start from the newest complete checkpoint")
     args = p.parse_args()
 
     torch.manual_seed(0)  # the same model on every process, spares included
@@ -57,6 +65,9 @@ def main() -> int:
         model,
         OPTIMIZERS[args.optimizer],
         scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, warmup),
+        config=ResilientConfig(
+            checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume
+        ),
     )
     for step in ft.steps(args.steps):  # a spare waits here until it takes a dead worker's slot
         with ft.step(step):  # a failure anywhere inside: recover, then steps() goes on from the restored step

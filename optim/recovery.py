@@ -13,7 +13,7 @@ plan from the same rows.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -111,19 +111,34 @@ class SlotSnapshots:
         self.own, self.ward = SnapshotRing(), SnapshotRing()
         self.replicator: Replicator | None = None
         self.put_s: list[float] = []
+        self._persist_error: str | None = None
 
-    def put(self, step: int, tree: dict[str, Any]) -> None:
+    def put(self, step: int, tree: dict[str, Any], persist: Callable[[torch.Tensor], None] | None = None) -> None:
         """Hold the state after ``step``: collected by the caller, copied and replicated by the replicator thread.
 
         The copy overlaps the next step's forward and backward; :meth:`settle`
         waits for it before the optimizer changes the live tensors again.
+        ``persist`` gets the encoded bytes once they are replicated (on the
+        replicator thread; without one, here): a persistent checkpoint.
         """
         t0 = time.perf_counter()
         if self.replicator is not None:
-            self.replicator.submit_tree(step, tree, self.own)
+            self.replicator.submit_tree(step, tree, self.own, persist)
         else:
-            self.own.put(step, tree)
+            data = self.own.put(step, tree)
+            if persist is not None:
+                try:
+                    persist(data)
+                except Exception as exc:  # noqa: BLE001 - reported like the replicator's
+                    self._persist_error = f"version {step}: {exc}"
         self.put_s.append(time.perf_counter() - t0)
+
+    @property
+    def persist_error(self) -> str | None:
+        """Why the last persistent checkpoint write failed, or ``None``."""
+        if self.replicator is not None and self.replicator.persist_error is not None:
+            return self.replicator.persist_error
+        return self._persist_error
 
     def settle(self) -> None:
         """Wait until the last snapshot was copied out (it reads the optimizer's live tensors)."""

@@ -78,12 +78,13 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 import sparsecomm.distributed as dist
 from bindings.errors import PeerFailureError
+from optim.checkpoint import CheckpointError, CheckpointStore, model_fingerprint
 from optim.local import LocalAdamS, ReplicatedAdamS
 from optim.recovery import SlotSnapshots
 from optim.reshard import gather_full_state, restore_resharded
 from optim.scape import SCAPE
 from optim.sharded import _ShardedOptimizer
-from optim.snapshot import UnrecoverableStateError
+from optim.snapshot import UnrecoverableStateError, decode_tree
 from resilient_comm import FaultAwareCommunicator, Reconfiguration
 from sparsecomm.mask import k_for
 
@@ -127,12 +128,28 @@ class ResilientConfig:
         max_bad_steps: Consecutive steps with a non-finite loss or gradient
             that are skipped (rolled back, their batch skipped); the next one
             raises :class:`BadStepsError`. 0: the first one raises.
+        checkpoint_dir: Also write persistent checkpoints there
+            (:mod:`optim.checkpoint`): every ``checkpoint_every`` committed
+            steps, each slot writes the snapshot it already took, on the
+            replication thread, atomically; the newest ``keep_checkpoints``
+            complete steps are kept. Needs ``snapshots``.
+        checkpoint_every: Committed steps between persistent checkpoints (> 0
+            with ``checkpoint_dir``).
+        keep_checkpoints: Complete checkpoint steps to keep (>= 1).
+        resume: Start from the newest complete checkpoint in ``checkpoint_dir``
+            (the same world size; every member checks every field and digest
+            first, and all raise :class:`~optim.checkpoint.CheckpointError` when
+            one cannot load its slot).
     """
 
     timeout: timedelta = timedelta(seconds=60)
     snapshots: bool = True
     snapshot_block: int = 0
     max_bad_steps: int = 3
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 2
+    resume: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.timeout, timedelta) or self.timeout.total_seconds() <= 0:
@@ -145,6 +162,27 @@ class ResilientConfig:
         bad = self.max_bad_steps
         if isinstance(bad, bool) or not isinstance(bad, int) or bad < 0:
             raise ValueError(f"max_bad_steps: must be an int >= 0, got {bad!r}")
+        every, keep = self.checkpoint_every, self.keep_checkpoints
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+            raise ValueError(f"checkpoint_every: must be an int >= 0, got {every!r}")
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"keep_checkpoints: must be an int >= 1, got {keep!r}")
+        if not isinstance(self.resume, bool):
+            raise TypeError(f"resume: must be a bool, got {self.resume!r}")
+        if self.checkpoint_dir is None:
+            if every or self.resume:
+                raise ValueError("checkpoint_every and resume need a checkpoint_dir")
+        else:
+            if not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir:
+                raise TypeError(f"checkpoint_dir: must be a non-empty str path, got {self.checkpoint_dir!r}")
+            if every == 0 and not self.resume:
+                raise ValueError("checkpoint_dir: set checkpoint_every > 0 (or resume=True)")
+            if not self.snapshots:
+                raise ValueError(
+                    "checkpoint_dir: persistent checkpoints are written from the snapshots (snapshots=True)"
+                )
+            if self.snapshot_block:
+                raise ValueError("checkpoint_dir: not with snapshot_block (a benchmark setting)")
 
     def snapshots_at(self, step: int) -> bool:
         """Whether the state after ``step`` is snapshotted."""
@@ -238,6 +276,14 @@ class ResilientTraining:
             )
             dist.init_process_group(communicator=communicator)
         self.comm = communicator
+        self._store: CheckpointStore | None = None
+        if self.config.checkpoint_dir is not None:
+            self._store = CheckpointStore(self.config.checkpoint_dir, keep=self.config.keep_checkpoints)
+            if self.config.resume and not self._store.path.is_dir():
+                raise CheckpointError(f"resume: no checkpoint directory {self._store.path}")
+            if self.config.checkpoint_every:
+                self._store.check_writable()
+        self._fingerprint = ""
         self._opt: Any = None
         self._sched: Stateful | None = None
         self._snaps = SlotSnapshots(self.comm, self.config.timeout)
@@ -339,11 +385,19 @@ class ResilientTraining:
         if loss is not None:
             value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
         bad = (loss is not None and not math.isfinite(value)) or not self._gradients_finite()
-        # [loss, one verdict per rank]: averaged, a rank's entry stays > 0 where it found a NaN or Inf
-        buf = torch.zeros(1 + ws, dtype=torch.float32)
+        # [loss, per rank: a NaN or Inf, a failed checkpoint write]: averaged, an entry stays > 0 where it was set
+        buf = torch.zeros(1 + 2 * ws, dtype=torch.float32)
         buf[0] = value if math.isfinite(value) else 0.0
         buf[1 + rank] = 1.0 if bad else 0.0
+        write_error = self._snaps.persist_error
+        buf[1 + ws + rank] = 1.0 if write_error is not None else 0.0
         dist.all_reduce(buf, op=dist.ReduceOp.AVG)
+        failed_writes = [r for r in range(ws) if float(buf[1 + ws + r]) > 0.0]
+        if failed_writes:
+            raise CheckpointError(
+                f"step {self._in_step}: a persistent checkpoint could not be written on ranks {failed_writes}"
+                + (f" (here: {write_error})" if write_error is not None else "")
+            )
         bad_ranks = [r for r in range(ws) if float(buf[1 + r]) > 0.0]
         if bad_ranks:
             if self._bad_run >= self.config.max_bad_steps:
@@ -450,10 +504,68 @@ class ResilientTraining:
             self.losses[step] = self._loss
         snap = self.config.snapshots_at(step)
         if snap:
-            self._snaps.put(step, self._tree(step))
+            self._snaps.put(step, self._tree(step), self._persist_for(step))
         self._next = step + 1
         step_s = time.perf_counter() - self._t0
         self._event("committed", step=step, epoch=self.comm.epoch, loss=self._loss, step_s=step_s, snapshot=snap)
+
+    def _persist_for(self, step: int) -> Callable[[torch.Tensor], None] | None:
+        """What writes the snapshot of ``step`` to disk (``None``: not a checkpoint step)."""
+        store, every = self._store, self.config.checkpoint_every
+        if store is None or not every or step % every:
+            return None
+        slot, ws, fingerprint = self.comm.rank, self.comm.world_size, self._fingerprint
+
+        def write(data: torch.Tensor) -> None:
+            store.write(step, slot, ws, fingerprint, data)
+
+        return write
+
+    def _resume(self) -> int:
+        """Load the newest complete checkpoint on every member; return its step. Collective.
+
+        Raises:
+            CheckpointError: On every member: no complete checkpoint, another world size, or a
+                slot file that cannot be loaded (missing, truncated, corrupted, foreign).
+        """
+        store = self._store
+        assert store is not None
+        ws, rank = self.comm.world_size, self.comm.rank
+        complete = store.complete_steps(ws)
+        span = torch.tensor([complete[-1] if complete else -1, -(complete[-1] if complete else -1)], dtype=torch.int64)
+        dist.all_reduce(span, op=dist.ReduceOp.MAX)
+        newest, oldest = int(span[0]), -int(span[1])
+        if newest < 0 or newest != oldest:
+            found = store.steps()
+            raise CheckpointError(
+                f"resume: no checkpoint in {store.path} has a file for each of the {ws} slots "
+                f"(steps found: {found[-5:]}); re-sharding onto another world size is not supported"
+                if newest < 0
+                else f"resume: the members see different newest checkpoints ({oldest} and {newest}) in {store.path}"
+            )
+        error = None
+        tree: dict[str, Any] | None = None
+        try:
+            if store.world_size_of(newest) != ws:
+                raise CheckpointError(f"resume: step {newest} was written by {store.world_size_of(newest)} slots")
+            tree = decode_tree(store.read(newest, rank, ws, self._fingerprint))
+            if not isinstance(tree, dict) or tree.get("step") != newest:
+                raise CheckpointError(f"resume: slot {rank}'s file of step {newest} holds another step")
+        except (CheckpointError, ValueError) as exc:
+            error = str(exc)
+        verdict = torch.zeros(ws, dtype=torch.float32)
+        verdict[rank] = 1.0 if error is not None else 0.0
+        dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
+        bad = [r for r in range(ws) if float(verdict[r]) > 0.0]
+        if bad:
+            raise CheckpointError(
+                f"resume: the checkpoint of step {newest} cannot be loaded on ranks {bad}"
+                + (f": {error}" if error is not None else "")
+            )
+        assert tree is not None
+        self._restore(tree)
+        self._event("resumed", step=newest, path=str(store.path))
+        return newest
 
     def _gradients_finite(self) -> bool:
         """Whether every gradient of the model is finite (one float64 sum per tensor: no overflow)."""
@@ -482,8 +594,10 @@ class ResilientTraining:
         self._event("joined", epoch=comm.epoch, rank=comm.rank, world_size=comm.world_size)
         try:
             self._build()
-            self._snaps.put(0, self._tree(0))
-            self._snaps.start_replication(0, self._snapshot_headroom())
+            start = self._resume() if self.config.resume else 0
+            self._snaps.put(start, self._tree(start))
+            self._snaps.start_replication(start, self._snapshot_headroom())
+            self._next = start + 1
         except PeerFailureError as exc:  # a member died before step 1: recover like at any step
             self._event("failed", step=0, epoch=comm.epoch, error=str(exc)[:200])
             self._next = self._recover_until_ok(comm.reconfigure())
@@ -533,6 +647,7 @@ class ResilientTraining:
         self._opt = self._factory(self.model)
         if not isinstance(self._opt, torch.optim.Optimizer):
             raise TypeError(f"optimizer factory: expected a torch.optim.Optimizer, got {type(self._opt).__name__}")
+        self._fingerprint = model_fingerprint(self.model, self._opt)
         self._sched = self._sched_factory(self._opt) if self._sched_factory is not None else None
 
     def _load_common(self, tree: dict[str, Any]) -> None:

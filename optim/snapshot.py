@@ -21,6 +21,7 @@ import logging
 import math
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -246,6 +247,7 @@ class _Job:
     data: torch.Tensor | None = None  # encoded bytes, or
     tree: Any = None  # a tree to encode into ``ring`` first (off the caller's critical path)
     ring: SnapshotRing | None = None
+    persist: Callable[[torch.Tensor], None] | None = None  # also write the bytes to disk, once replicated
 
 
 class Replicator:
@@ -283,6 +285,8 @@ class Replicator:
         self._failed: str | None = None
         self.bytes_sent = 0
         self.busy_s = 0.0
+        self.persist_error: str | None = None
+        """Why the last persistent checkpoint write failed (``None``: none failed)."""
         self._thread = threading.Thread(target=self._run, name="sparsecomm-replicator", daemon=True)
         self._thread.start()
 
@@ -303,14 +307,18 @@ class Replicator:
             raise ValueError(f"snapshot of {data.numel()} bytes exceeds the replication capacity {self.capacity}")
         self._jobs.put(_Job(version, data))
 
-    def submit_tree(self, version: int, tree: Any, ring: SnapshotRing) -> None:
+    def submit_tree(
+        self, version: int, tree: Any, ring: SnapshotRing, persist: Callable[[torch.Tensor], None] | None = None
+    ) -> None:
         """Queue ``tree``: the thread encodes it into ``ring`` as ``version``, then replicates it.
 
         The tree's tensors are read by the thread: the caller must not change
-        them before :meth:`wait_encoded` returns.
+        them before :meth:`wait_encoded` returns. With ``persist``, the thread
+        then hands it the encoded bytes (a persistent checkpoint); an error
+        there is kept in :attr:`persist_error`, never raised.
         """
         self._encoded.clear()
-        self._jobs.put(_Job(version, tree=tree, ring=ring))
+        self._jobs.put(_Job(version, tree=tree, ring=ring, persist=persist))
 
     def wait_encoded(self, timeout: float) -> bool:
         """Wait until the last tree passed to :meth:`submit_tree` has been copied out."""
@@ -381,6 +389,12 @@ class Replicator:
                     continue
                 with self._lock:
                     self._replicated = max(self._replicated, acked)
+                if job.persist is not None:
+                    try:
+                        job.persist(self._send[:n])
+                    except Exception as exc:  # noqa: BLE001 - reported to the trainer, which raises everywhere
+                        self.persist_error = f"version {job.version}: {exc}"
+                        logger.warning("checkpoint write failed: %s", self.persist_error)
                 self.busy_s += time.perf_counter() - t0
             finally:
                 self._jobs.task_done()

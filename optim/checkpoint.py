@@ -1,0 +1,282 @@
+"""Persistent checkpoints beneath the in-memory snapshots: one file per slot and step, written atomically.
+
+Layout of a checkpoint directory::
+
+    DIR/step-000000120/slot-00000.ckpt
+    DIR/step-000000120/slot-00001.ckpt
+    ...
+
+A slot file is an 8-byte magic (``SPCKPT1\\n``), an 8-byte little-endian header
+length, a JSON header (``format``, ``step``, ``slot``, ``world_size``,
+``fingerprint`` of the model and optimizer, ``nbytes`` and ``sha256`` of the
+payload) and the payload: the slot's snapshot exactly as the in-memory ring
+holds it (:func:`optim.snapshot.encode_tree`), so nothing is encoded twice.
+Every file is written to a temporary name, flushed, ``fsync``-ed and renamed
+into place (then its directory is ``fsync``-ed): a crash mid-write leaves no
+file under the final name. A step is *complete* when every slot of its world
+size has its file; only complete steps are loaded, and retention keeps the
+newest ``keep`` complete steps (files of newer, still incomplete steps are
+never removed).
+
+The layout is ours, not ``torch.distributed.checkpoint``'s (DCP): a slot's
+snapshot is the sharded optimizer's flat shard plus masks in flight, RNG and
+the loop's history, which DCP's planners have no notion of. For users who want
+the weights, :func:`export_state_dict` writes a plain ``model.state_dict()``
+file that ``torch.load`` reads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["CheckpointError", "CheckpointStore", "export_state_dict", "model_fingerprint"]
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"SPCKPT1\n"
+FORMAT = 1
+_STEP = re.compile(r"^step-(\d{9})$")
+_SLOT = re.compile(r"^slot-(\d{5})\.ckpt$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory or file that cannot be used: missing, truncated, corrupted, foreign or not writable."""
+
+
+def model_fingerprint(model: torch.nn.Module, optimizer: Any) -> str:
+    """A digest of the parameter names, shapes and dtypes and of the optimizer's class: a checkpoint's identity."""
+    h = hashlib.sha256(type(optimizer).__qualname__.encode())
+    for name, p in model.named_parameters():
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
+    return h.hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class _Header:
+    step: int
+    slot: int
+    world_size: int
+    fingerprint: str
+    nbytes: int
+    sha256: str
+
+
+class CheckpointStore:
+    """The checkpoint directory of a job.
+
+    Args:
+        path: The directory (made if missing when writing).
+        keep: Complete steps to keep (>= 1).
+
+    Raises:
+        CheckpointError: ``keep`` < 1.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], keep: int = 2) -> None:
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise CheckpointError(f"keep: must be an int >= 1, got {keep!r}")
+        self.path = Path(path)
+        self.keep = keep
+
+    # ------------------------------------------------------------------ names
+    def step_dir(self, step: int) -> Path:
+        return self.path / f"step-{step:09d}"
+
+    def slot_file(self, step: int, slot: int) -> Path:
+        return self.step_dir(step) / f"slot-{slot:05d}.ckpt"
+
+    # ------------------------------------------------------------------ writing
+    def check_writable(self) -> None:
+        """Make the directory and write, sync and remove a probe file there.
+
+        Raises:
+            CheckpointError: The directory cannot be made or written.
+        """
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            probe = self.path / f".probe-{os.getpid()}"
+            with open(probe, "wb") as f:
+                f.write(b"probe")
+                f.flush()
+                os.fsync(f.fileno())
+            probe.unlink()
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint directory {self.path} is not writable: {exc}") from exc
+
+    def write(self, step: int, slot: int, world_size: int, fingerprint: str, payload: torch.Tensor) -> Path:
+        """Write one slot's snapshot of ``step`` atomically, then drop what retention no longer keeps.
+
+        Raises:
+            CheckpointError: The file could not be written (the final name then does not exist).
+        """
+        data = payload.detach().reshape(-1).to(torch.uint8).numpy().tobytes()
+        header = json.dumps(
+            {
+                "format": FORMAT,
+                "step": step,
+                "slot": slot,
+                "world_size": world_size,
+                "fingerprint": fingerprint,
+                "nbytes": len(data),
+                "sha256": hashlib.sha256(data).hexdigest(),
+            }
+        ).encode()
+        final = self.slot_file(step, slot)
+        tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(MAGIC)
+                f.write(len(header).to_bytes(8, "little"))
+                f.write(header)
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+            _fsync_dir(final.parent)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise CheckpointError(f"checkpoint of step {step}, slot {slot}: cannot write {final}: {exc}") from exc
+        self.prune(slot, world_size)
+        return final
+
+    def prune(self, slot: int, world_size: int) -> None:
+        """Remove this slot's files of complete steps older than the newest ``keep`` complete ones."""
+        complete = self.complete_steps(world_size)
+        if len(complete) <= self.keep:
+            return
+        oldest_kept = complete[-self.keep]
+        for step in self.steps():
+            if step >= oldest_kept:
+                continue
+            self.slot_file(step, slot).unlink(missing_ok=True)
+            d = self.step_dir(step)
+            try:
+                d.rmdir()  # the last slot to leave removes the directory
+            except OSError:
+                pass
+
+    # ------------------------------------------------------------------ reading
+    def steps(self) -> list[int]:
+        """Steps with a directory, oldest first."""
+        if not self.path.is_dir():
+            return []
+        out = []
+        for d in self.path.iterdir():
+            m = _STEP.match(d.name)
+            if m:
+                out.append(int(m.group(1)))
+        return sorted(out)
+
+    def complete_steps(self, world_size: int) -> list[int]:
+        """Steps that have a file for every slot of ``world_size``, oldest first (contents not checked)."""
+        out = []
+        for step in self.steps():
+            try:
+                names = {p.name for p in self.step_dir(step).iterdir()}
+            except FileNotFoundError:  # another slot's retention just removed it
+                continue
+            if all(f"slot-{s:05d}.ckpt" in names for s in range(world_size)):
+                out.append(step)
+        return out
+
+    def world_size_of(self, step: int) -> int:
+        """The world size the files of ``step`` were written by (from the first slot's header)."""
+        return self._header(self.slot_file(step, 0))[0].world_size
+
+    def read(self, step: int, slot: int, world_size: int, fingerprint: str) -> torch.Tensor:
+        """The payload of one slot file, after checking every header field and the payload's digest.
+
+        Raises:
+            CheckpointError: The file is missing, truncated, corrupted, or of another step, slot,
+                world size, model or optimizer.
+        """
+        path = self.slot_file(step, slot)
+        header, offset = self._header(path)
+        want: dict[str, object] = {"step": step, "slot": slot, "world_size": world_size, "fingerprint": fingerprint}
+        got: dict[str, object] = {
+            "step": header.step,
+            "slot": header.slot,
+            "world_size": header.world_size,
+            "fingerprint": header.fingerprint,
+        }
+        for key, value in want.items():
+            if got[key] != value:
+                what = "another model or optimizer" if key == "fingerprint" else f"{key} {got[key]}, not {value}"
+                raise CheckpointError(f"{path}: written for {what}")
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+        if len(data) != header.nbytes:
+            raise CheckpointError(f"{path}: truncated ({len(data)} of {header.nbytes} payload bytes)")
+        if hashlib.sha256(data).hexdigest() != header.sha256:
+            raise CheckpointError(f"{path}: corrupted (the payload's sha256 does not match its header)")
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+    def _header(self, path: Path) -> tuple[_Header, int]:
+        try:
+            with open(path, "rb") as f:
+                magic = f.read(len(MAGIC))
+                if magic != MAGIC:
+                    raise CheckpointError(f"{path}: not a sparsecomm checkpoint (bad magic)")
+                n = int.from_bytes(f.read(8), "little")
+                if not 0 < n <= 1 << 20:
+                    raise CheckpointError(f"{path}: corrupted header length {n}")
+                raw = f.read(n)
+        except FileNotFoundError as exc:
+            raise CheckpointError(f"{path}: missing") from exc
+        except OSError as exc:
+            raise CheckpointError(f"{path}: cannot read: {exc}") from exc
+        try:
+            h = json.loads(raw)
+            if h.get("format") != FORMAT:
+                raise CheckpointError(f"{path}: format {h.get('format')!r}, expected {FORMAT}")
+            header = _Header(
+                step=int(h["step"]),
+                slot=int(h["slot"]),
+                world_size=int(h["world_size"]),
+                fingerprint=str(h["fingerprint"]),
+                nbytes=int(h["nbytes"]),
+                sha256=str(h["sha256"]),
+            )
+        except (ValueError, KeyError, TypeError) as exc:
+            if isinstance(exc, CheckpointError):
+                raise
+            raise CheckpointError(f"{path}: corrupted header ({exc})") from exc
+        return header, len(MAGIC) + 8 + n
+
+    def remove(self) -> None:
+        """Delete the whole directory (tests and tools)."""
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def export_state_dict(model: torch.nn.Module, path: str | os.PathLike[str]) -> Path:
+    """Write ``model.state_dict()`` as a plain ``torch.save`` file (atomically), for users who want the weights."""
+    final = Path(path)
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, tmp)
+    os.replace(tmp, final)
+    return final

@@ -1,0 +1,144 @@
+"""Persistent checkpoints (optim.checkpoint through optim.resilient): the whole job SIGKILLed, launcher and all,
+then resumed bit for bit; and every kind of bad checkpoint directory refused on every rank before anything loads.
+
+The job is ``examples/resilient_loop.py`` under ``sparsecomm launch``, as users run it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from bindings.store import open_store
+from optim.checkpoint import MAGIC, CheckpointError, CheckpointStore
+from resilient_comm.keys import COMMITTED
+
+pytestmark = pytest.mark.dist
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "resilient_loop.py"
+STEPS, EVERY, NPROC = 30, 5, 3
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _job(tmp: Path, ckpt: Path, *extra: str, kill_after: int | None = None) -> tuple[int, dict[str, Any] | None, str]:
+    """Run the example; with ``kill_after``, SIGKILL the whole job (launcher included) once that step committed."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    out, port = tmp / "report.json", _free_port()
+    cmd = [sys.executable, "-m", "optim", "launch", "--nproc", str(NPROC), "--spares", "0", "--port", str(port)]
+    cmd += ["--job-timeout", "150", "--", sys.executable, str(EXAMPLE), "--optimizer", "scape", "--steps", str(STEPS)]
+    cmd += ["--out", str(out), "--checkpoint-dir", str(ckpt), "--checkpoint-every", str(EVERY), *extra]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        if kill_after is not None:
+            deadline, store = time.monotonic() + 120, None
+            while store is None and time.monotonic() < deadline and proc.poll() is None:
+                try:
+                    store = open_store("127.0.0.1", port, server=False, timeout=timedelta(seconds=5))
+                except (RuntimeError, OSError):
+                    time.sleep(0.05)
+            assert store is not None, "the job's store never came up"
+            while time.monotonic() < deadline and proc.poll() is None:
+                if store.check([COMMITTED]) and int(store.get(COMMITTED)) >= kill_after:
+                    os.killpg(proc.pid, signal.SIGKILL)  # every process of the job, the launcher too
+                    break
+                time.sleep(0.005)
+        output, _ = proc.communicate(timeout=200)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    report = json.loads(out.read_text()) if out.exists() else None
+    return proc.returncode, report, output.decode(errors="replace")[-4000:]
+
+
+def test_whole_job_killed_then_resumed_bitwise(tmp_path: Path) -> None:
+    rc, ref, log = _job(tmp_path / "ref", tmp_path / "ref-ckpt")
+    assert rc == 0 and ref is not None, log
+    rc, _, log = _job(tmp_path / "a", tmp_path / "ckpt", kill_after=17)
+    assert rc == -signal.SIGKILL or rc != 0, log
+    store = CheckpointStore(tmp_path / "ckpt")
+    complete = store.complete_steps(NPROC)
+    assert complete and complete[-1] % EVERY == 0 and complete[-1] < STEPS, (complete, log)
+    assert len(complete) <= 2  # the newest two are kept
+    rc, resumed, log = _job(tmp_path / "b", tmp_path / "ckpt", "--resume")
+    assert rc == 0 and resumed is not None, log
+    # the resumed run is the uninterrupted one, bit for bit: every loss and the final parameters
+    assert resumed["losses"] == ref["losses"]
+    assert resumed["params_sha256"] == ref["params_sha256"]
+
+
+def _flip(path: Path, at: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_bad_checkpoint_directories_are_refused_everywhere(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    rc, ref, log = _job(tmp_path / "run", ckpt)
+    assert rc == 0 and ref is not None, log
+    store = CheckpointStore(ckpt)
+    older, newest = store.complete_steps(NPROC)
+    victim = store.slot_file(newest, 1)
+    original = victim.read_bytes()
+
+    def refused(what: str) -> str:
+        rc, _, log = _job(tmp_path / what, ckpt, "--resume")
+        assert rc != 0, f"{what}: the job ran\n{log}"
+        assert "CheckpointError" in log and "cannot be loaded on ranks [1]" in log, f"{what}\n{log}"
+        return log
+
+    _flip(victim, len(original) - 10)  # a payload byte
+    assert "corrupted" in refused("flipped")
+    victim.write_bytes(original[: len(original) // 2])
+    assert "truncated" in refused("truncated")
+    victim.write_bytes(b"not a checkpoint at all")
+    assert "bad magic" in refused("foreign")
+    assert store.complete_steps(NPROC) == [older, newest]  # a refused resume overwrote nothing
+    # a slot file missing: that step is incomplete, the newest complete one before it is resumed, bit for bit
+    victim.unlink()
+    rc, resumed, log = _job(tmp_path / "older", ckpt, "--resume")
+    assert rc == 0 and resumed is not None, log
+    assert resumed["losses"] == ref["losses"] and resumed["params_sha256"] == ref["params_sha256"]
+    rc, _, log = _job(tmp_path / "nodir", tmp_path / "nowhere", "--resume")
+    assert rc != 0 and "no checkpoint directory" in log, log
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    rc, _, log = _job(tmp_path / "unwritable", blocker / "sub")
+    assert rc != 0 and "not writable" in log, log
+
+
+def test_store_reads_back_and_checks_every_field(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path, keep=2)
+    payload = torch.arange(100, dtype=torch.uint8)
+    for step in (5, 10, 15):
+        for slot in range(2):
+            store.write(step, slot, 2, "fp", payload)
+    assert store.complete_steps(2) == [10, 15]  # retention: the newest two complete steps
+    assert torch.equal(store.read(15, 1, 2, "fp"), payload)
+    with pytest.raises(CheckpointError, match="another model or optimizer"):
+        store.read(15, 1, 2, "other")
+    with pytest.raises(CheckpointError, match="world_size 2, not 3"):
+        store.read(15, 1, 3, "fp")
+    store.write(20, 0, 2, "fp", payload)  # slot 1 of step 20 not written yet: nothing older is dropped
+    assert store.complete_steps(2) == [10, 15]
+    assert store.slot_file(20, 0).read_bytes().startswith(MAGIC)
+    assert not list(tmp_path.rglob(".*tmp*"))
