@@ -151,20 +151,18 @@ class CheckpointStore:
         return final
 
     def prune(self, slot: int, world_size: int) -> None:
-        """Remove this slot's files of complete steps older than the newest ``keep`` complete ones."""
+        """Remove every step older than the newest ``keep`` complete ones (any slot may; it is never needed again).
+
+        Steps newer than the oldest kept one stay, complete or not (their
+        other slots may still be writing).
+        """
         complete = self.complete_steps(world_size)
         if len(complete) <= self.keep:
             return
         oldest_kept = complete[-self.keep]
         for step in self.steps():
-            if step >= oldest_kept:
-                continue
-            self.slot_file(step, slot).unlink(missing_ok=True)
-            d = self.step_dir(step)
-            try:
-                d.rmdir()  # the last slot to leave removes the directory
-            except OSError:
-                pass
+            if step < oldest_kept:
+                shutil.rmtree(self.step_dir(step), ignore_errors=True)
 
     # ------------------------------------------------------------------ reading
     def steps(self) -> list[int]:

@@ -36,11 +36,15 @@ def add_resilience_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-reference", action="store_true", help="with --kill: skip the failure-free reference run of the verdict"
     )
+    p.add_argument("--checkpoint-dir", default=None, metavar="DIR", help="also write persistent checkpoints to DIR")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="committed steps between checkpoints")
+    p.add_argument("--keep", type=int, default=2, metavar="K", help="complete checkpoints to keep")
+    p.add_argument("--resume", action="store_true", help="start from the newest complete checkpoint in DIR")
 
 
 def wants_resilience(args: argparse.Namespace) -> bool:
     """Whether ``sparsecomm train`` takes the fault-tolerant path."""
-    return bool(args.spares > 0 or args.kill)
+    return bool(args.spares > 0 or args.kill or args.checkpoint_dir)
 
 
 def _verdict(run: dict[str, Any], reference: dict[str, Any] | None) -> dict[str, Any]:
@@ -138,15 +142,20 @@ def run_resilient_cmd(args: argparse.Namespace, config: TrainConfig) -> int:
             snapshot=args.snapshot == "on",
             recovery=args.recovery,
             heartbeat_timeout_s=args.heartbeat_timeout,
+            checkpoint_dir=args.checkpoint_dir,
+            checkpoint_every=args.checkpoint_every,
+            keep_checkpoints=args.keep,
+            resume=args.resume,
         )
         res.check_against(config)
-    except ValueError as exc:
+    except (ValueError, TypeError) as exc:
         args.cmd_parser.error(str(exc))
     out = Path(config.out)
     reference = None
     if res.kills and not args.no_reference:
         print(f"reference run (no failures): {config.nproc} workers + {res.spares} spare(s) ...", flush=True)
-        reference = run_resilient_training(config, dataclasses.replace(res, kills=()), out / "reference")
+        plain = dataclasses.replace(res, kills=(), checkpoint_dir=None, checkpoint_every=0, resume=False)
+        reference = run_resilient_training(config, plain, out / "reference")
         if reference["status"] != 0:
             print(f"sparsecomm train: the reference run failed (status {reference['status']})")
             return 1

@@ -70,6 +70,8 @@ class ResilienceConfig:
             ``committed`` event says whether its step took one. A failure
             restores the newest snapshot every slot holds, which may be older.
             0 (default): a snapshot after every step.
+        checkpoint_dir, checkpoint_every, keep_checkpoints, resume: persistent
+            checkpoints, as :class:`optim.resilient.ResilientConfig`'s.
     """
 
     spares: int = 1
@@ -78,6 +80,22 @@ class ResilienceConfig:
     recovery: str = "hotswap"
     heartbeat_timeout_s: float = 2.0
     snapshot_block: int = 0
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 2
+    resume: bool = False
+
+    def resilient_config(self, timeout_s: float) -> ResilientConfig:
+        """The :class:`ResilientConfig` of the workers."""
+        return ResilientConfig(
+            timeout=timedelta(seconds=timeout_s),
+            snapshots=self.snapshot,
+            snapshot_block=self.snapshot_block,
+            checkpoint_dir=self.checkpoint_dir,
+            checkpoint_every=self.checkpoint_every,
+            keep_checkpoints=self.keep_checkpoints,
+            resume=self.resume,
+        )
 
     def __post_init__(self) -> None:
         if isinstance(self.spares, bool) or not isinstance(self.spares, int) or self.spares < 0:
@@ -89,6 +107,7 @@ class ResilienceConfig:
         block = self.snapshot_block
         if isinstance(block, bool) or not isinstance(block, int) or block < 0:
             raise ValueError(f"snapshot_block: must be an int >= 0, got {block!r}")
+        self.resilient_config(60.0)  # checks the snapshot and checkpoint settings together
         for kill in self.kills:
             if len(kill) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in kill):
                 raise ValueError(f"kills: expected (slot, step) int pairs, got {kill!r}")
@@ -125,11 +144,7 @@ def _run_worker(config: TrainConfig, res: ResilienceConfig, out: Path, log: Proc
     ft = ResilientTraining(
         model,
         lambda m: build_optimizer(config, m),
-        config=ResilientConfig(
-            timeout=timedelta(seconds=config.comm_timeout_s),
-            snapshots=res.snapshot,
-            snapshot_block=res.snapshot_block,
-        ),
+        config=res.resilient_config(config.comm_timeout_s),
         on_event=log,
     )
     evals: dict[int, float] = {}

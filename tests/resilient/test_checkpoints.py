@@ -142,3 +142,39 @@ def test_store_reads_back_and_checks_every_field(tmp_path: Path) -> None:
     assert store.complete_steps(2) == [10, 15]
     assert store.slot_file(20, 0).read_bytes().startswith(MAGIC)
     assert not list(tmp_path.rglob(".*tmp*"))
+
+
+def _train(out: Path, *args: str) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "optim", "train", "--nproc", "2", "--eval-interval", "10", "--out", str(out), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report: dict[str, Any] = json.loads((out / "report.json").read_text())
+    assert report["status"] == 0
+    return report
+
+
+def test_train_command_checkpoints_and_resumes(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    # the same fault-tolerant path, with checkpoints that never come (every 100 steps)
+    ref = _train(
+        tmp_path / "ref", "--steps", "30", "--checkpoint-dir", str(tmp_path / "none"), "--checkpoint-every", "100"
+    )
+    _train(
+        tmp_path / "first", "--steps", "20", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "10", "--keep", "1"
+    )
+    assert [p.name for p in sorted(ckpt.iterdir())] == ["step-000000020"]
+    resumed = _train(
+        tmp_path / "second", "--steps", "30", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "10", "--resume"
+    )
+    assert resumed["losses"] == ref["losses"]  # the steps before the resume come with the checkpoint
+    assert resumed["params_digest"] == ref["params_digest"]
+
+
+def test_export_state_dict_is_a_plain_torch_file(tmp_path: Path) -> None:
+    from optim.checkpoint import export_state_dict
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    path = export_state_dict(model, tmp_path / "model.pt")
+    loaded = torch.load(path, weights_only=True)
+    assert loaded.keys() == model.state_dict().keys()
+    assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
