@@ -522,6 +522,12 @@ class ResilientTraining:
         return write
 
     def _resume(self) -> int:
+        """Start from the newest complete checkpoint (``resume=True``); return its step. Collective."""
+        step = self._load_checkpoint()
+        self._event("resumed", step=step, path=str(self._store.path if self._store else ""))
+        return step
+
+    def _load_checkpoint(self) -> int:
         """Load the newest complete checkpoint on every member; return its step. Collective.
 
         Raises:
@@ -530,11 +536,12 @@ class ResilientTraining:
         """
         store = self._store
         assert store is not None
+        self._build()  # on every member (collective for the sharded optimizers): the fingerprint names it
         ws, rank = self.comm.world_size, self.comm.rank
         complete = store.complete_steps(ws)
-        span = torch.tensor([complete[-1] if complete else -1, -(complete[-1] if complete else -1)], dtype=torch.int64)
-        dist.all_reduce(span, op=dist.ReduceOp.MAX)
-        newest, oldest = int(span[0]), -int(span[1])
+        seen = torch.empty(ws, dtype=torch.int64)
+        dist.all_gather_into_tensor(seen, torch.tensor([complete[-1] if complete else -1], dtype=torch.int64))
+        newest, oldest = int(seen.max()), int(seen.min())
         if newest < 0 or newest != oldest:
             found = store.steps()
             raise CheckpointError(
@@ -553,10 +560,9 @@ class ResilientTraining:
                 raise CheckpointError(f"resume: slot {rank}'s file of step {newest} holds another step")
         except (CheckpointError, ValueError) as exc:
             error = str(exc)
-        verdict = torch.zeros(ws, dtype=torch.float32)
-        verdict[rank] = 1.0 if error is not None else 0.0
-        dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
-        bad = [r for r in range(ws) if float(verdict[r]) > 0.0]
+        verdict = torch.empty(ws, dtype=torch.int64)
+        dist.all_gather_into_tensor(verdict, torch.tensor([0 if error is None else 1], dtype=torch.int64))
+        bad = [r for r in range(ws) if int(verdict[r])]
         if bad:
             raise CheckpointError(
                 f"resume: the checkpoint of step {newest} cannot be loaded on ranks {bad}"
@@ -564,7 +570,6 @@ class ResilientTraining:
             )
         assert tree is not None
         self._restore(tree)
-        self._event("resumed", step=newest, path=str(store.path))
         return newest
 
     def _gradients_finite(self) -> bool:
@@ -593,8 +598,11 @@ class ResilientTraining:
             return
         self._event("joined", epoch=comm.epoch, rank=comm.rank, world_size=comm.world_size)
         try:
-            self._build()
-            start = self._resume() if self.config.resume else 0
+            if self.config.resume:
+                start = self._resume()  # builds the optimizer too
+            else:
+                self._build()
+                start = 0
             self._snaps.put(start, self._tree(start))
             self._snaps.start_replication(start, self._snapshot_headroom())
             self._next = start + 1
@@ -708,13 +716,24 @@ class ResilientTraining:
         phases: dict[str, float] = {}
         self._snaps.stop()
         phases["stop_replication_s"] = time.time() - t0
-        plan, old_slot = self._snaps.agree(change, self.config.snapshots)
-        restore_step = plan.step
-        phases["agree_s"] = time.time() - t0
         last = max(self.losses) if self.losses else 0
-        recomputed = max(0, last - restore_step) if restore_step >= 0 else last
         shrunk = change is not None and len(change.lost_slots) > len(change.promoted)
-        if shrunk and restore_step > 0:
+        try:
+            plan, old_slot = self._snaps.agree(change, self.config.snapshots)
+        except UnrecoverableStateError as exc:
+            # no copy of some slot is left in memory: the newest persistent checkpoint every slot has
+            if self._store is None or shrunk:
+                raise
+            logger.warning("%s: restoring the newest complete checkpoint in %s", exc, self._store.path)
+            restore_step = self._load_checkpoint()
+            disk = True
+        else:
+            restore_step, disk = plan.step, False
+        phases["agree_s"] = time.time() - t0
+        recomputed = max(0, last - restore_step) if restore_step >= 0 else last
+        if disk:
+            phases["transfer_s"] = time.time() - t0
+        elif shrunk and restore_step > 0:
             self._build()  # every member, a promoted spare too: the kind of optimizer picks the way
             opt = self._opt
             if not isinstance(opt, _ShardedOptimizer) or isinstance(opt, ReplicatedAdamS):
@@ -754,6 +773,7 @@ class ResilientTraining:
             "restore_step": restore_step,
             "recover_s": time.time() - t0,
             "steps_recomputed": recomputed,
+            "from_disk": disk,
             "epoch": self.comm.epoch,
             "world_size": self.comm.world_size,
             "rank": self.comm.rank,

@@ -308,6 +308,30 @@ def test_promoted_spare_dies_while_restoring(tmp_path: Path, reference) -> None:
     assert [e["slot"] for e in promotions] == [2, 2]
 
 
+@pytest.mark.timeout(300)
+def test_buddy_and_ward_lost_together_falls_back_to_disk(tmp_path: Path, reference) -> None:
+    """As below, with persistent checkpoints every 4 steps: the members restore the newest complete one and go on."""
+    config = _config("scape", nproc=5)
+    ckpt = tmp_path / "ckpt"
+    job = _Job(tmp_path, config, _res(spares=2, checkpoint_dir=str(ckpt), checkpoint_every=4))
+
+    def slot_pids() -> dict[int, int] | None:
+        joined = {e["rank"]: e["pid"] for e in job.events("joined")}
+        return joined if len(joined) == config.nproc else None
+
+    pids = wait_until(slot_pids, 180, "every worker to join")
+    wait_until(lambda: any(e["step"] >= 10 for e in job.events("committed")), 120, "step 10", interval=0.001)
+    os.kill(pids[1], signal.SIGKILL)
+    os.kill(pids[2], signal.SIGKILL)
+    run = job.join(240)
+    assert run["status"] == 0, _tail(run)
+    restores = [e for e in run["events"] if e["event"] == "restored"]
+    assert restores and all(e["from_disk"] for e in restores), _tail(run)
+    assert {e["restore_step"] for e in restores} <= {8, 12}  # a checkpoint step: in memory the state of 1 is gone
+    ref = reference(config)
+    assert run["losses"] == ref["losses"] and run["params_digest"] == ref["params_digest"]
+
+
 @pytest.mark.timeout(240)
 def test_buddy_and_ward_lost_together_stops_the_job(tmp_path: Path) -> None:
     """Slots 1 and 2 die at once: slot 1's state lived on 1 (own) and 2 (its buddy): the job must stop, loudly.
