@@ -188,6 +188,17 @@ class CheckpointStore:
                 out.append(step)
         return out
 
+    def newest_complete(self) -> tuple[int, int] | None:
+        """``(step, world size)`` of the newest step that has a file for every slot of the world that wrote it."""
+        for step in reversed(self.steps()):
+            try:
+                ws = self.world_size_of(step)
+            except CheckpointError:
+                continue  # slot 0's file missing or unreadable: not this step
+            if step in self.complete_steps(ws):
+                return step, ws
+        return None
+
     def world_size_of(self, step: int) -> int:
         """The world size the files of ``step`` were written by (from the first slot's header)."""
         return self._header(self.slot_file(step, 0))[0].world_size

@@ -530,34 +530,45 @@ class ResilientTraining:
     def _load_checkpoint(self) -> int:
         """Load the newest complete checkpoint on every member; return its step. Collective.
 
+        A checkpoint of another world size is re-sharded (at a resume only; a
+        recovery keeps the world size): the sharded optimizers' state is
+        assembled from every old slot's file and cut for the new layout
+        (SCAPE makes its masks again from it, as a shrink does); a replica
+        (LocalAdamS, TopKAdamS, plain torch optimizers) and the model's
+        buffers, RNG and history come from old slot ``rank % old world``.
+
         Raises:
-            CheckpointError: On every member: no complete checkpoint, another world size, or a
-                slot file that cannot be loaded (missing, truncated, corrupted, foreign).
+            CheckpointError: On every member: no complete checkpoint, members that see different
+                ones, or a slot file that cannot be loaded (missing, truncated, corrupted, foreign).
         """
         store = self._store
         assert store is not None
         self._build()  # on every member (collective for the sharded optimizers): the fingerprint names it
         ws, rank = self.comm.world_size, self.comm.rank
-        complete = store.complete_steps(ws)
-        seen = torch.empty(ws, dtype=torch.int64)
-        dist.all_gather_into_tensor(seen, torch.tensor([complete[-1] if complete else -1], dtype=torch.int64))
-        newest, oldest = int(seen.max()), int(seen.min())
-        if newest < 0 or newest != oldest:
-            found = store.steps()
-            raise CheckpointError(
-                f"resume: no checkpoint in {store.path} has a file for each of the {ws} slots "
-                f"(steps found: {found[-5:]}); re-sharding onto another world size is not supported"
-                if newest < 0
-                else f"resume: the members see different newest checkpoints ({oldest} and {newest}) in {store.path}"
-            )
+        found = store.newest_complete()
+        mine = torch.tensor([found[0] if found else -1, found[1] if found else -1], dtype=torch.int64)
+        seen = torch.empty(2 * ws, dtype=torch.int64)
+        dist.all_gather_into_tensor(seen, mine)
+        steps, worlds = seen[0::2], seen[1::2]
+        newest, old_ws = int(steps.max()), int(worlds.max())
+        if newest < 0:
+            raise CheckpointError(f"no checkpoint in {store.path} has a file for each of its slots")
+        if int(steps.min()) != newest or int(worlds.min()) != old_ws:
+            raise CheckpointError(f"the members see different newest checkpoints in {store.path}: {seen.tolist()}")
+        opt = self._opt
+        reshard = old_ws != ws
+        sharded = isinstance(opt, _ShardedOptimizer) and not isinstance(opt, ReplicatedAdamS)
+        # what this member reads: its own old slot, or (re-sharding a sharded optimizer) its share of them
+        own_old = rank % old_ws
+        wanted = [s for s in range(old_ws) if s % ws == rank] if reshard and sharded else []
         error = None
-        tree: dict[str, Any] | None = None
+        trees: dict[int, dict[str, Any]] = {}
         try:
-            if store.world_size_of(newest) != ws:
-                raise CheckpointError(f"resume: step {newest} was written by {store.world_size_of(newest)} slots")
-            tree = decode_tree(store.read(newest, rank, ws, self._fingerprint))
-            if not isinstance(tree, dict) or tree.get("step") != newest:
-                raise CheckpointError(f"resume: slot {rank}'s file of step {newest} holds another step")
+            for slot in sorted({own_old, *wanted}):
+                tree = decode_tree(store.read(newest, slot, old_ws, self._fingerprint))
+                if not isinstance(tree, dict) or tree.get("step") != newest:
+                    raise CheckpointError(f"slot {slot}'s file of step {newest} holds another step")
+                trees[slot] = tree
         except (CheckpointError, ValueError) as exc:
             error = str(exc)
         verdict = torch.empty(ws, dtype=torch.int64)
@@ -565,11 +576,22 @@ class ResilientTraining:
         bad = [r for r in range(ws) if int(verdict[r])]
         if bad:
             raise CheckpointError(
-                f"resume: the checkpoint of step {newest} cannot be loaded on ranks {bad}"
+                f"the checkpoint of step {newest} in {store.path} cannot be loaded on ranks {bad}"
                 + (f": {error}" if error is not None else "")
             )
-        assert tree is not None
-        self._restore(tree)
+        if not reshard:
+            self._restore(trees[own_old])
+            return newest
+        logger.info("re-sharding the checkpoint of step %d from %d slots onto %d", newest, old_ws, ws)
+        common = trees[own_old]
+        if sharded:
+            full = gather_full_state(opt, [(s, trees[s]) for s in wanted], old_ws)
+            restore_resharded(opt, newest, full)
+        elif isinstance(opt, ReplicatedAdamS):
+            opt.restore_replica(common["optim"])
+        else:
+            self._load_plain(common["optim"])
+        self._load_common(common)
         return newest
 
     def _gradients_finite(self) -> bool:

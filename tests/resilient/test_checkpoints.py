@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -178,3 +179,21 @@ def test_export_state_dict_is_a_plain_torch_file(tmp_path: Path) -> None:
     loaded = torch.load(path, weights_only=True)
     assert loaded.keys() == model.state_dict().keys()
     assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "worlds"), [("scape", (3, 8)), ("local-adams", (3,))], ids=["scape-4to3-4to8", "local-4to3"]
+)
+def test_resume_on_another_world_size_reshards(tmp_path: Path, optimizer: str, worlds: tuple[int, ...]) -> None:
+    ckpt = tmp_path / "ckpt"
+    common = ["--optimizer", optimizer, "--density", "0.1", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "10"]
+    first = _train(tmp_path / "first", "--nproc", "4", "--steps", "20", *common)
+    for n in worlds:
+        r = _train(tmp_path / f"on{n}", "--nproc", str(n), "--steps", "30", "--resume", *common)
+        losses = {int(k): v for k, v in r["losses"].items()}
+        assert sorted(losses) == list(range(1, 31))
+        assert all(losses[s] == v for s, v in ((int(k), v) for k, v in first["losses"].items()))  # the history
+        assert all(v == v and v < losses[1] for s, v in losses.items() if s > 20)  # it trains on from there
+        assert r["final_members_agree"]
+        # the next run starts from this one's checkpoint again, so put the 4-slot step back first
+        shutil.rmtree(ckpt / "step-000000030", ignore_errors=True)
