@@ -197,3 +197,17 @@ def test_resume_on_another_world_size_reshards(tmp_path: Path, optimizer: str, w
         assert r["final_members_agree"]
         # the next run starts from this one's checkpoint again, so put the 4-slot step back first
         shutil.rmtree(ckpt / "step-000000030", ignore_errors=True)
+
+
+def test_a_full_disk_ends_the_run_on_every_rank(tmp_path: Path) -> None:
+    disk = tmp_path / "small"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48k", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.decode(errors='replace').strip()}")
+    try:
+        rc, report, log = _job(tmp_path / "run", disk / "ckpt")
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+    assert rc != 0 and report is None, log
+    assert "CheckpointError" in log and "could not be written on ranks" in log, log
