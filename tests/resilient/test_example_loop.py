@@ -86,9 +86,15 @@ def _run(tmp: Path, optimizer: str, spares: int, kill: tuple[int, int] | None = 
                 except (RuntimeError, OSError):
                     time.sleep(0.05)
             assert store is not None, "the job's store never came up"
+
+            def spare_ready() -> bool:
+                # a kill before the spare registered would shrink the world (no spare yet), not hot-swap
+                events = read_events(tmp / "events.jsonl", missing_ok=True)
+                return spares == 0 or any(e["event"] == "member_started" and e.get("role") == "spare" for e in events)
+
             while time.monotonic() < deadline and proc.poll() is None:
                 committed = int(store.get(COMMITTED)) if store.check([COMMITTED]) else 0
-                if committed >= step - 1:
+                if committed >= step - 1 and spare_ready():
                     pid = _worker_of_slot(proc.pid, slot)
                     os.kill(pid, signal.SIGKILL)
                     killed = {"slot": slot, "step": step, "committed": committed, "pid": pid}
