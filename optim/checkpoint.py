@@ -39,7 +39,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["CheckpointError", "CheckpointStore", "export_state_dict", "model_fingerprint"]
+import sparsecomm.distributed as dist
+from optim.snapshot import decode_tree
+
+__all__ = ["CheckpointError", "CheckpointStore", "export_state_dict", "model_fingerprint", "read_newest"]
 
 logger = logging.getLogger(__name__)
 
@@ -289,3 +292,54 @@ def export_state_dict(model: torch.nn.Module, path: str | os.PathLike[str]) -> P
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, tmp)
     os.replace(tmp, final)
     return final
+
+
+def read_newest(
+    store: CheckpointStore, rank: int, world_size: int, fingerprint: str, *, shares: bool
+) -> tuple[int, int, dict[int, Any]]:
+    """Agree on the newest complete checkpoint and read this member's slot files of it. Collective.
+
+    A member reads old slot ``rank % old world``; when the world size changed
+    and ``shares`` (a sharded optimizer, re-sharded from every old slot), also
+    the old slots ``s`` with ``s % world_size == rank``, so that each old slot
+    is read by exactly one member.
+
+    Returns:
+        ``(step, old world size, {old slot: decoded snapshot tree})``.
+
+    Raises:
+        CheckpointError: On every member: no complete checkpoint, members that see different
+            ones, or a slot file that cannot be loaded (missing, truncated, corrupted, foreign).
+    """
+    found = store.newest_complete()
+    mine = torch.tensor([found[0] if found else -1, found[1] if found else -1], dtype=torch.int64)
+    seen = torch.empty(2 * world_size, dtype=torch.int64)
+    dist.all_gather_into_tensor(seen, mine)
+    steps, worlds = seen[0::2], seen[1::2]
+    newest, old_ws = int(steps.max()), int(worlds.max())
+    if newest < 0:
+        raise CheckpointError(f"no checkpoint in {store.path} has a file for each of its slots")
+    if int(steps.min()) != newest or int(worlds.min()) != old_ws:
+        raise CheckpointError(f"the members see different newest checkpoints in {store.path}: {seen.tolist()}")
+    slots = {rank % old_ws}
+    if shares and old_ws != world_size:
+        slots |= {s for s in range(old_ws) if s % world_size == rank}
+    error = None
+    trees: dict[int, Any] = {}
+    try:
+        for slot in sorted(slots):
+            tree = decode_tree(store.read(newest, slot, old_ws, fingerprint))
+            if not isinstance(tree, dict) or tree.get("step") != newest:
+                raise CheckpointError(f"slot {slot}'s file of step {newest} holds another step")
+            trees[slot] = tree
+    except (CheckpointError, ValueError) as exc:
+        error = str(exc)
+    verdict = torch.empty(world_size, dtype=torch.int64)
+    dist.all_gather_into_tensor(verdict, torch.tensor([0 if error is None else 1], dtype=torch.int64))
+    bad = [r for r in range(world_size) if int(verdict[r])]
+    if bad:
+        raise CheckpointError(
+            f"the checkpoint of step {newest} in {store.path} cannot be loaded on ranks {bad}"
+            + (f": {error}" if error is not None else "")
+        )
+    return newest, old_ws, trees

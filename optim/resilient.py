@@ -68,126 +68,28 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
-from datetime import timedelta
 from types import TracebackType
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 import sparsecomm.distributed as dist
 from bindings.errors import PeerFailureError
-from optim.checkpoint import CheckpointError, CheckpointStore, model_fingerprint
+from optim.checkpoint import CheckpointError, CheckpointStore, model_fingerprint, read_newest
 from optim.local import LocalAdamS, ReplicatedAdamS
 from optim.recovery import SlotSnapshots
 from optim.reshard import gather_full_state, restore_resharded
+from optim.resilient_config import BadStepsError, EventHook, ResilientConfig, Stateful
 from optim.scape import SCAPE
 from optim.sharded import _ShardedOptimizer
-from optim.snapshot import UnrecoverableStateError, decode_tree
+from optim.snapshot import UnrecoverableStateError
 from resilient_comm import FaultAwareCommunicator, Reconfiguration
 from sparsecomm.mask import k_for
 
 __all__ = ["BadStepsError", "ResilientConfig", "ResilientTraining", "Stateful", "UnrecoverableStateError"]
 
 logger = logging.getLogger(__name__)
-
-
-@runtime_checkable
-class Stateful(Protocol):
-    """Anything whose state a snapshot can hold: an LR scheduler, a ``GradScaler``, a data-loader position."""
-
-    def state_dict(self) -> dict[str, Any]:
-        """The state (tensors, numbers, strings, lists and dicts of them)."""
-        ...
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load what :meth:`state_dict` returned."""
-        ...
-
-
-class BadStepsError(RuntimeError):
-    """More consecutive steps had a non-finite loss or gradient than ``ResilientConfig.max_bad_steps`` allows."""
-
-
-#: ``on_event(name, fields)``: a hook for the job's own event log.
-EventHook = Callable[[str, dict[str, Any]], None]
-
-
-@dataclass(frozen=True, kw_only=True)
-class ResilientConfig:
-    """How :class:`ResilientTraining` protects the run.
-
-    Attributes:
-        timeout: Deadline of every collective and of the snapshot copy.
-        snapshots: Keep in-memory snapshots replicated to a buddy (off: a
-            failure restarts the run from step 1, which is still exact).
-        snapshot_block: Benchmarks only: when > 0, snapshots alternate in blocks
-            of this many steps with a snapshot, then as many without, starting
-            with snapshots at step 1. 0: a snapshot after every committed step.
-        max_bad_steps: Consecutive steps with a non-finite loss or gradient
-            that are skipped (rolled back, their batch skipped); the next one
-            raises :class:`BadStepsError`. 0: the first one raises.
-        checkpoint_dir: Also write persistent checkpoints there
-            (:mod:`optim.checkpoint`): every ``checkpoint_every`` committed
-            steps, each slot writes the snapshot it already took, on the
-            replication thread, atomically; the newest ``keep_checkpoints``
-            complete steps are kept. Needs ``snapshots``.
-        checkpoint_every: Committed steps between persistent checkpoints (> 0
-            with ``checkpoint_dir``).
-        keep_checkpoints: Complete checkpoint steps to keep (>= 1).
-        resume: Start from the newest complete checkpoint in ``checkpoint_dir``
-            (the same world size; every member checks every field and digest
-            first, and all raise :class:`~optim.checkpoint.CheckpointError` when
-            one cannot load its slot).
-    """
-
-    timeout: timedelta = timedelta(seconds=60)
-    snapshots: bool = True
-    snapshot_block: int = 0
-    max_bad_steps: int = 3
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 0
-    keep_checkpoints: int = 2
-    resume: bool = False
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.timeout, timedelta) or self.timeout.total_seconds() <= 0:
-            raise ValueError(f"timeout: must be a positive datetime.timedelta, got {self.timeout!r}")
-        if not isinstance(self.snapshots, bool):
-            raise TypeError(f"snapshots: must be a bool, got {self.snapshots!r}")
-        block = self.snapshot_block
-        if isinstance(block, bool) or not isinstance(block, int) or block < 0:
-            raise ValueError(f"snapshot_block: must be an int >= 0, got {block!r}")
-        bad = self.max_bad_steps
-        if isinstance(bad, bool) or not isinstance(bad, int) or bad < 0:
-            raise ValueError(f"max_bad_steps: must be an int >= 0, got {bad!r}")
-        every, keep = self.checkpoint_every, self.keep_checkpoints
-        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
-            raise ValueError(f"checkpoint_every: must be an int >= 0, got {every!r}")
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            raise ValueError(f"keep_checkpoints: must be an int >= 1, got {keep!r}")
-        if not isinstance(self.resume, bool):
-            raise TypeError(f"resume: must be a bool, got {self.resume!r}")
-        if self.checkpoint_dir is None:
-            if every or self.resume:
-                raise ValueError("checkpoint_every and resume need a checkpoint_dir")
-        else:
-            if not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir:
-                raise TypeError(f"checkpoint_dir: must be a non-empty str path, got {self.checkpoint_dir!r}")
-            if every == 0 and not self.resume:
-                raise ValueError("checkpoint_dir: set checkpoint_every > 0 (or resume=True)")
-            if not self.snapshots:
-                raise ValueError(
-                    "checkpoint_dir: persistent checkpoints are written from the snapshots (snapshots=True)"
-                )
-            if self.snapshot_block:
-                raise ValueError("checkpoint_dir: not with snapshot_block (a benchmark setting)")
-
-    def snapshots_at(self, step: int) -> bool:
-        """Whether the state after ``step`` is snapshotted."""
-        block = self.snapshot_block
-        return self.snapshots and (block == 0 or ((step - 1) // block) % 2 == 0)
 
 
 def _copy_tensors(tree: Any) -> Any:
@@ -545,40 +447,12 @@ class ResilientTraining:
         assert store is not None
         self._build()  # on every member (collective for the sharded optimizers): the fingerprint names it
         ws, rank = self.comm.world_size, self.comm.rank
-        found = store.newest_complete()
-        mine = torch.tensor([found[0] if found else -1, found[1] if found else -1], dtype=torch.int64)
-        seen = torch.empty(2 * ws, dtype=torch.int64)
-        dist.all_gather_into_tensor(seen, mine)
-        steps, worlds = seen[0::2], seen[1::2]
-        newest, old_ws = int(steps.max()), int(worlds.max())
-        if newest < 0:
-            raise CheckpointError(f"no checkpoint in {store.path} has a file for each of its slots")
-        if int(steps.min()) != newest or int(worlds.min()) != old_ws:
-            raise CheckpointError(f"the members see different newest checkpoints in {store.path}: {seen.tolist()}")
         opt = self._opt
-        reshard = old_ws != ws
         sharded = isinstance(opt, _ShardedOptimizer) and not isinstance(opt, ReplicatedAdamS)
-        # what this member reads: its own old slot, or (re-sharding a sharded optimizer) its share of them
+        newest, old_ws, trees = read_newest(store, rank, ws, self._fingerprint, shares=sharded)
+        reshard = old_ws != ws
         own_old = rank % old_ws
         wanted = [s for s in range(old_ws) if s % ws == rank] if reshard and sharded else []
-        error = None
-        trees: dict[int, dict[str, Any]] = {}
-        try:
-            for slot in sorted({own_old, *wanted}):
-                tree = decode_tree(store.read(newest, slot, old_ws, self._fingerprint))
-                if not isinstance(tree, dict) or tree.get("step") != newest:
-                    raise CheckpointError(f"slot {slot}'s file of step {newest} holds another step")
-                trees[slot] = tree
-        except (CheckpointError, ValueError) as exc:
-            error = str(exc)
-        verdict = torch.empty(ws, dtype=torch.int64)
-        dist.all_gather_into_tensor(verdict, torch.tensor([0 if error is None else 1], dtype=torch.int64))
-        bad = [r for r in range(ws) if int(verdict[r])]
-        if bad:
-            raise CheckpointError(
-                f"the checkpoint of step {newest} in {store.path} cannot be loaded on ranks {bad}"
-                + (f": {error}" if error is not None else "")
-            )
         if not reshard:
             self._restore(trees[own_old])
             return newest

@@ -1,0 +1,108 @@
+"""The settings and plug-in types of :class:`optim.resilient.ResilientTraining`: its config, the state protocol,
+the event hook and the error of too many bad steps."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = ["BadStepsError", "EventHook", "ResilientConfig", "Stateful"]
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """Anything whose state a snapshot can hold: an LR scheduler, a ``GradScaler``, a data-loader position."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state (tensors, numbers, strings, lists and dicts of them)."""
+        ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load what :meth:`state_dict` returned."""
+        ...
+
+
+class BadStepsError(RuntimeError):
+    """More consecutive steps had a non-finite loss or gradient than ``ResilientConfig.max_bad_steps`` allows."""
+
+
+#: ``on_event(name, fields)``: a hook for the job's own event log.
+EventHook = Callable[[str, dict[str, Any]], None]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResilientConfig:
+    """How :class:`ResilientTraining` protects the run.
+
+    Attributes:
+        timeout: Deadline of every collective and of the snapshot copy.
+        snapshots: Keep in-memory snapshots replicated to a buddy (off: a
+            failure restarts the run from step 1, which is still exact).
+        snapshot_block: Benchmarks only: when > 0, snapshots alternate in blocks
+            of this many steps with a snapshot, then as many without, starting
+            with snapshots at step 1. 0: a snapshot after every committed step.
+        max_bad_steps: Consecutive steps with a non-finite loss or gradient
+            that are skipped (rolled back, their batch skipped); the next one
+            raises :class:`BadStepsError`. 0: the first one raises.
+        checkpoint_dir: Also write persistent checkpoints there
+            (:mod:`optim.checkpoint`): every ``checkpoint_every`` committed
+            steps, each slot writes the snapshot it already took, on the
+            replication thread, atomically; the newest ``keep_checkpoints``
+            complete steps are kept. Needs ``snapshots``.
+        checkpoint_every: Committed steps between persistent checkpoints (> 0
+            with ``checkpoint_dir``).
+        keep_checkpoints: Complete checkpoint steps to keep (>= 1).
+        resume: Start from the newest complete checkpoint in ``checkpoint_dir``
+            (the same world size; every member checks every field and digest
+            first, and all raise :class:`~optim.checkpoint.CheckpointError` when
+            one cannot load its slot).
+    """
+
+    timeout: timedelta = timedelta(seconds=60)
+    snapshots: bool = True
+    snapshot_block: int = 0
+    max_bad_steps: int = 3
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 2
+    resume: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.timeout, timedelta) or self.timeout.total_seconds() <= 0:
+            raise ValueError(f"timeout: must be a positive datetime.timedelta, got {self.timeout!r}")
+        if not isinstance(self.snapshots, bool):
+            raise TypeError(f"snapshots: must be a bool, got {self.snapshots!r}")
+        block = self.snapshot_block
+        if isinstance(block, bool) or not isinstance(block, int) or block < 0:
+            raise ValueError(f"snapshot_block: must be an int >= 0, got {block!r}")
+        bad = self.max_bad_steps
+        if isinstance(bad, bool) or not isinstance(bad, int) or bad < 0:
+            raise ValueError(f"max_bad_steps: must be an int >= 0, got {bad!r}")
+        every, keep = self.checkpoint_every, self.keep_checkpoints
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+            raise ValueError(f"checkpoint_every: must be an int >= 0, got {every!r}")
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"keep_checkpoints: must be an int >= 1, got {keep!r}")
+        if not isinstance(self.resume, bool):
+            raise TypeError(f"resume: must be a bool, got {self.resume!r}")
+        if self.checkpoint_dir is None:
+            if every or self.resume:
+                raise ValueError("checkpoint_every and resume need a checkpoint_dir")
+        else:
+            if not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir:
+                raise TypeError(f"checkpoint_dir: must be a non-empty str path, got {self.checkpoint_dir!r}")
+            if every == 0 and not self.resume:
+                raise ValueError("checkpoint_dir: set checkpoint_every > 0 (or resume=True)")
+            if not self.snapshots:
+                raise ValueError(
+                    "checkpoint_dir: persistent checkpoints are written from the snapshots (snapshots=True)"
+                )
+            if self.snapshot_block:
+                raise ValueError("checkpoint_dir: not with snapshot_block (a benchmark setting)")
+
+    def snapshots_at(self, step: int) -> bool:
+        """Whether the state after ``step`` is snapshotted."""
+        block = self.snapshot_block
+        return self.snapshots and (block == 0 or ((step - 1) // block) % 2 == 0)
