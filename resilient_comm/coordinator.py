@@ -14,6 +14,11 @@ Protocol of one reconfiguration, from epoch ``e``:
 2. ``abort/e`` is set: every member's watcher aborts its epoch-``e`` transport
    (so collectives blocked on a hung peer fail at once) and acknowledges;
 3. members that acknowledge within ``ack_timeout`` and still heartbeat survive;
+   where silence alone (stale heartbeats, missing acknowledgements) would
+   leave no majority, the coordinator waits up to ``stall_grace`` longer
+   before it believes it: a loaded host or a paused process silences everyone
+   at once, and declaring a majority dead on that would end the job for
+   nothing (exits are hard evidence and never wait);
 4. majority guard: unless more than half of epoch ``e``'s members survived, no
    epoch forms and the job fails (a minority never continues on its own);
 5. the view of ``e + 1``: dead slots go to spares (``hotswap``) or are dropped
@@ -41,7 +46,7 @@ from bindings.store import Store, open_store
 from resilient_comm import keys
 from resilient_comm.errors import MembershipError
 from resilient_comm.events import EventLog
-from resilient_comm.plan import plan_next_epoch
+from resilient_comm.plan import majority, plan_next_epoch
 from resilient_comm.view import MODES, MemberInfo, View, decode_json
 
 __all__ = ["Coordinator", "CoordinatorConfig"]
@@ -64,6 +69,9 @@ class CoordinatorConfig:
             long is dead (this is what catches a hung, e.g. SIGSTOPped, process).
         ack_timeout: How long a reconfiguration waits for acknowledgements.
         configure_timeout: How long members may take to build an epoch's transport.
+        stall_grace: Extra time given to silent members when declaring them dead on
+            silence alone would leave no majority (see step 3 above); after it the
+            job fails with a clear error, it never hangs.
         start_timeout: How long to wait for the first ``world_size`` members.
         poll_interval: Period of the control loop.
         events: File for the JSON-lines event log (``None``: memory only).
@@ -78,6 +86,7 @@ class CoordinatorConfig:
     heartbeat_timeout: timedelta = timedelta(seconds=2)
     ack_timeout: timedelta = timedelta(seconds=2)
     configure_timeout: timedelta = timedelta(seconds=30)
+    stall_grace: timedelta = timedelta(seconds=20)
     start_timeout: timedelta = timedelta(seconds=120)
     poll_interval: timedelta = timedelta(milliseconds=10)
     events: str | None = None
@@ -95,7 +104,14 @@ class CoordinatorConfig:
             raise ValueError(f"job: must be a non-empty string without '/', got {self.job!r}")
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port < 65536:
             raise ValueError(f"port: must be in [0, 65536), got {self.port!r}")
-        for name in ("heartbeat_timeout", "ack_timeout", "configure_timeout", "start_timeout", "poll_interval"):
+        for name in (
+            "heartbeat_timeout",
+            "ack_timeout",
+            "configure_timeout",
+            "stall_grace",
+            "start_timeout",
+            "poll_interval",
+        ):
             v = getattr(self, name)
             if not isinstance(v, timedelta) or v.total_seconds() <= 0:
                 raise ValueError(f"{name}: must be a positive datetime.timedelta, got {v!r}")
@@ -137,6 +153,7 @@ class Coordinator:
         self._seen_members = 0
         self._seen_suspects = 0
         self._suspected: set[int] = set()  # epochs with a suspicion not yet acted on
+        self._stalled: set[str] = set()  # kinds of silence without quorum being waited out (logged once each)
         self._view: View | None = None
         self._failed: str | None = None
         self._shutdown = False
@@ -278,6 +295,7 @@ class Coordinator:
         live = [i for i in self._members if i not in self._dead and i not in self._left]
         if live:
             counts = store.multi_get([keys.heartbeat(i) for i in live])
+            silent: dict[int, float] = {}
             for i, raw in zip(live, counts, strict=True):
                 count = int(raw or b"0")
                 last_count, last_time = self._hb[i]
@@ -287,7 +305,13 @@ class Coordinator:
                     if store.check([keys.left(i)]):
                         self._member_left(i)
                     else:
-                        self._mark_dead(i, "heartbeat", silent_s=round(now - last_time, 3))
+                        silent[i] = now - last_time
+            if not silent:
+                self._stalled.discard("heartbeats stopped")
+            elif self._hold_off(set(silent), min(silent.values()), "heartbeats stopped"):
+                silent = {}
+            for i, silent_s in silent.items():
+                self._mark_dead(i, "heartbeat", silent_s=round(silent_s, 3))
         while True:
             try:
                 pid, code = self._exits.get_nowait()
@@ -349,6 +373,42 @@ class Coordinator:
             reason=reason,
             **extra,
         )
+
+    def _hold_off(self, silent: set[int], silent_s: float, what: str) -> bool:
+        """Whether to wait before declaring ``silent`` dead on silence alone (step 3 of the protocol).
+
+        True while the current epoch would keep no majority without them and the
+        silence is shorter than ``heartbeat_timeout + stall_grace``. Members that
+        have been quiet for half a heartbeat timeout are not counted as the
+        majority either: a stall does not silence everyone in the same instant.
+        """
+        view = self.view
+        if view is None:
+            return False
+        now = time.monotonic()
+        quiet = self.config.heartbeat_timeout.total_seconds() / 2
+        survivors = sum(
+            1
+            for m in view.members
+            if m not in self._dead and m not in silent and now - self._hb.get(m, (0, now))[1] < quiet
+        )
+        if majority(survivors, view.world_size) is None:
+            return False
+        limit = (self.config.heartbeat_timeout + self.config.stall_grace).total_seconds()
+        if silent_s > limit:
+            return False
+        if what not in self._stalled:
+            self._stalled.add(what)
+            logger.warning(
+                "%s for %d of epoch %d's %d members at once: waiting up to %.0f s before declaring them dead",
+                what,
+                len(silent & set(view.members)),
+                view.epoch,
+                view.world_size,
+                self.config.stall_grace.total_seconds(),
+            )
+            self.log.emit("stall_suspected", epoch=view.epoch, members=sorted(silent), reason=what)
+        return True
 
     def _live_actives(self) -> int:
         return sum(
@@ -436,9 +496,14 @@ class Coordinator:
             self._refresh()
             expected = {m for m in view.members if m not in self._dead}
             acked = {m for m in expected if store.check([keys.ack(e, m)])}
-            if acked == expected or time.monotonic() - t0 > cfg.ack_timeout.total_seconds():
+            waited = time.monotonic() - t0
+            if acked == expected or (
+                waited > cfg.ack_timeout.total_seconds()
+                and not self._hold_off(expected - acked, waited - cfg.ack_timeout.total_seconds(), "no acknowledgement")
+            ):
                 break
             time.sleep(poll)
+        self._stalled.discard("no acknowledgement")
         for m in view.members:
             if m not in acked:
                 self._mark_dead(m, "no ack")

@@ -48,6 +48,7 @@ EVENTS = (
     "member_started",
     "failure_suspected",
     "failure_detected",
+    "stall_suspected",
     "epoch_proposed",
     "epoch_configured",
     "spare_promoted",

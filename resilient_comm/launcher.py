@@ -43,6 +43,8 @@ class LaunchConfig:
         mode: ``hotswap`` (a spare takes a dead slot; shrink when none is left) or ``shrink``.
         min_world_size: The job fails rather than run with fewer workers.
         heartbeat_timeout: Silence after which a process counts as hung.
+        stall_grace: Extra wait before silence alone may take away the majority
+            (see :class:`~resilient_comm.coordinator.CoordinatorConfig`).
         events: JSON-lines events file (``None``: none).
         host: Address the coordinator binds to.
         port: Coordinator port (0: any free port).
@@ -56,6 +58,7 @@ class LaunchConfig:
     mode: str = "hotswap"
     min_world_size: int = 1
     heartbeat_timeout: timedelta = timedelta(seconds=2)
+    stall_grace: timedelta = timedelta(seconds=20)
     events: str | None = None
     host: str = "127.0.0.1"
     port: int = 0
@@ -86,6 +89,7 @@ class LaunchConfig:
             min_world_size=self.min_world_size,
             heartbeat_timeout=self.heartbeat_timeout,
             ack_timeout=self.heartbeat_timeout,
+            stall_grace=self.stall_grace,
             events=self.events,
             **kw,
         )

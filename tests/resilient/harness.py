@@ -70,6 +70,7 @@ class DrillJob:
         nproc, spares, mode: See :class:`LaunchConfig`.
         steps, numel, sleep, resource_every: Drill arguments.
         heartbeat_timeout: Seconds of silence after which a process counts as hung.
+        stall_grace: Seconds more before silence alone may take away the majority.
         job_timeout: Seconds after which the launcher kills the job (status 124).
     """
 
@@ -85,6 +86,7 @@ class DrillJob:
         mode: str = "hotswap",
         resource_every: int = 0,
         heartbeat_timeout: float = 1.0,
+        stall_grace: float = 20.0,
         job_timeout: float = 120.0,
     ) -> None:
         self.log_dir = Path(log_dir)
@@ -96,6 +98,7 @@ class DrillJob:
             spares=spares,
             mode=mode,
             heartbeat_timeout=timedelta(seconds=heartbeat_timeout),
+            stall_grace=timedelta(seconds=stall_grace),
             job_timeout=timedelta(seconds=job_timeout),
             env={"PYTHONPATH": REPO_ROOT},
         )

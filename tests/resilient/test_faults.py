@@ -10,6 +10,7 @@ ends with status 0 also computed every sum right.
 from __future__ import annotations
 
 import signal
+import time
 
 import pytest
 
@@ -190,6 +191,50 @@ def test_majority_guard_fails_the_job_when_most_members_die(tmp_path) -> None:
             (error,) = job.drill_events(pid, "error")
             assert "MembershipError" in error["reason"] and "no quorum" in error["reason"], error
             assert not job.drill_events(pid, "done")
+
+
+@pytest.mark.timeout(120)
+def test_a_stall_of_every_member_at_once_is_waited_out(tmp_path) -> None:
+    """Every worker paused past the heartbeat timeout (an overloaded host): nobody is declared dead."""
+    hb = 1.0
+    with DrillJob(tmp_path, nproc=3, steps=60, sleep=0.03, heartbeat_timeout=hb, stall_grace=20) as job:
+        job.wait_epoch()
+        pids = job.member_pids()
+        job.wait_progress(pids[0], 3)
+        for pid in pids:
+            job.signal(pid, signal.SIGSTOP)
+        job.wait_event("stall_suspected", 10, epoch=0)
+        time.sleep(3 * hb)  # three heartbeat timeouts of silence from everyone
+        for pid in pids:
+            job.signal(pid, signal.SIGCONT)
+        assert job.finish(60) == 0, job.describe()
+        assert not job.events("failure_detected"), job.events("failure_detected")
+        assert [e["epoch"] for e in job.events("epoch_proposed")] == [0]
+        assert _check_finished(job) == pids
+        for pid in pids:
+            assert check_contiguous(job.drill_log(pid)) == list(range(job.steps))
+
+
+@pytest.mark.timeout(120)
+def test_a_majority_hung_for_good_fails_the_job_after_the_grace(tmp_path) -> None:
+    """Silence that takes the majority away is believed after heartbeat timeout + grace: a clear failure."""
+    hb, grace = 1.0, 2.0
+    with DrillJob(tmp_path, nproc=3, steps=400, sleep=0.03, heartbeat_timeout=hb, stall_grace=grace) as job:
+        job.wait_epoch()
+        pids = job.member_pids()
+        job.wait_progress(pids[0], 3)
+        t_stop = 0.0
+        for pid in pids[1:]:
+            t_stop = job.signal(pid, signal.SIGSTOP)
+        assert job.finish(60) != 0, job.describe()
+        (failed,) = job.events("job_failed")
+        assert "no quorum" in failed["reason"], failed
+        waited = failed["time"] - t_stop
+        print(f"\nmajority SIGSTOPped -> job_failed: {waited:.3f} s")
+        assert hb + grace <= waited <= 2 * hb + grace + 5, waited
+        assert job.wait_exit(pids[0], 20) == 3
+        (error,) = job.drill_events(pids[0], "error")
+        assert "no quorum" in error["reason"], error
 
 
 @pytest.mark.timeout(120)
