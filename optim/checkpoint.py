@@ -11,12 +11,20 @@ length, a JSON header (``format``, ``step``, ``slot``, ``world_size``,
 ``fingerprint`` of the model and optimizer, ``nbytes`` and ``sha256`` of the
 payload) and the payload: the slot's snapshot exactly as the in-memory ring
 holds it (:func:`optim.snapshot.encode_tree`), so nothing is encoded twice.
+A *delta* file (header ``kind: "delta"``, ``base``: the step of the slot's
+previous checkpoint) holds only what changed since that checkpoint
+(:mod:`optim.delta`); its header also carries the size and ``sha256`` of
+the full payload it restores to, checked after the chain of deltas back to
+the last full file is applied. A slot writes a full file at least every
+``full_every`` checkpoints (and whenever a delta would not be at most half
+the size of the full payload, or it has no previous checkpoint of the same
+layout to build on), so restoring reads at most ``full_every`` files.
 Every file is written to a temporary name, flushed, ``fsync``-ed and renamed
 into place (then its directory is ``fsync``-ed): a crash mid-write leaves no
 file under the final name. A step is *complete* when every slot of its world
 size has its file; only complete steps are loaded, and retention keeps the
-newest ``keep`` complete steps (files of newer, still incomplete steps are
-never removed).
+newest ``keep`` complete steps and the older files their deltas are built
+on (files of newer, still incomplete steps are never removed).
 
 The layout is ours, not ``torch.distributed.checkpoint``'s (DCP): a slot's
 snapshot is the sharded optimizer's flat shard plus masks in flight, RNG and
@@ -33,6 +41,8 @@ import logging
 import os
 import re
 import shutil
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,7 +50,8 @@ from typing import Any
 import torch
 
 import sparsecomm.distributed as dist
-from optim.snapshot import decode_tree
+from optim.delta import apply_delta, encode_delta
+from optim.snapshot import decode_tree, tensor_layout
 
 __all__ = ["CheckpointError", "CheckpointStore", "export_state_dict", "model_fingerprint", "read_newest"]
 
@@ -72,6 +83,9 @@ class _Header:
     fingerprint: str
     nbytes: int
     sha256: str
+    base: int | None  # a delta's base step (None: a full file)
+    full_nbytes: int
+    full_sha256: str
 
 
 class CheckpointStore:
@@ -80,16 +94,27 @@ class CheckpointStore:
     Args:
         path: The directory (made if missing when writing).
         keep: Complete steps to keep (>= 1).
+        full_every: A slot writes a full file at least every this many checkpoints,
+            deltas between (1: every file full).
 
     Raises:
-        CheckpointError: ``keep`` < 1.
+        CheckpointError: ``keep`` or ``full_every`` < 1.
     """
 
-    def __init__(self, path: str | os.PathLike[str], keep: int = 2) -> None:
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            raise CheckpointError(f"keep: must be an int >= 1, got {keep!r}")
+    def __init__(self, path: str | os.PathLike[str], keep: int = 2, full_every: int = 8) -> None:
+        for name, v in (("keep", keep), ("full_every", full_every)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise CheckpointError(f"{name}: must be an int >= 1, got {v!r}")
         self.path = Path(path)
         self.keep = keep
+        self.full_every = full_every
+        # per slot: (step, world size, fingerprint, payload, deltas since the last full file) of its last write
+        self._last: dict[int, tuple[int, int, str, bytes, int]] = {}
+        self.written: list[dict[str, Any]] = []  # step, slot, kind, bytes, seconds of every file written here
+
+    def forget(self) -> None:
+        """Build the next checkpoint of every slot on nothing: it is written full (after a recovery)."""
+        self._last.clear()
 
     # ------------------------------------------------------------------ names
     def step_dir(self, step: int) -> Path:
@@ -116,13 +141,41 @@ class CheckpointStore:
         except OSError as exc:
             raise CheckpointError(f"checkpoint directory {self.path} is not writable: {exc}") from exc
 
-    def write(self, step: int, slot: int, world_size: int, fingerprint: str, payload: torch.Tensor) -> Path:
+    def write(
+        self,
+        step: int,
+        slot: int,
+        world_size: int,
+        fingerprint: str,
+        payload: torch.Tensor,
+        decay: Mapping[str, float] | None = None,
+    ) -> Path:
         """Write one slot's snapshot of ``step`` atomically, then drop what retention no longer keeps.
+
+        ``decay``: paths in the snapshot tree (``"optim/shard/exp_avg"``) of
+        float32 tensors that the optimizer multiplies by a factor in every step
+        wherever it does nothing else; a delta predicts them so
+        (:mod:`optim.delta`), which only changes its size.
 
         Raises:
             CheckpointError: The file could not be written (the final name then does not exist).
         """
-        data = payload.detach().reshape(-1).to(torch.uint8).numpy().tobytes()
+        t0 = time.perf_counter()
+        full = payload.detach().reshape(-1).to(torch.uint8).numpy().tobytes()
+        prev = self._last.pop(slot, None)
+        data, base, chain = full, None, 0
+        if (
+            prev is not None
+            and prev[1:3] == (world_size, fingerprint)
+            and prev[0] < step
+            and prev[4] + 1 < self.full_every
+        ):
+            paths = tensor_layout(full).paths
+            times = step - prev[0]
+            predict = {paths[k]: (f, times) for k, f in (decay or {}).items() if k in paths}
+            delta = encode_delta(prev[3], full, decay=predict)
+            if delta is not None:
+                data, base, chain = delta, prev[0], prev[4] + 1
         header = json.dumps(
             {
                 "format": FORMAT,
@@ -132,6 +185,10 @@ class CheckpointStore:
                 "fingerprint": fingerprint,
                 "nbytes": len(data),
                 "sha256": hashlib.sha256(data).hexdigest(),
+                "kind": "full" if base is None else "delta",
+                "base": base,
+                "full_nbytes": len(full),
+                "full_sha256": hashlib.sha256(full).hexdigest() if base is not None else None,
             }
         ).encode()
         final = self.slot_file(step, slot)
@@ -150,6 +207,11 @@ class CheckpointStore:
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             raise CheckpointError(f"checkpoint of step {step}, slot {slot}: cannot write {final}: {exc}") from exc
+        self._last[slot] = (step, world_size, fingerprint, full, chain)
+        kind = "full" if base is None else "delta"
+        self.written.append(
+            {"step": step, "slot": slot, "kind": kind, "bytes": len(data), "seconds": time.perf_counter() - t0}
+        )
         self.prune(slot, world_size)
         return final
 
@@ -162,9 +224,12 @@ class CheckpointStore:
         complete = self.complete_steps(world_size)
         if len(complete) <= self.keep:
             return
-        oldest_kept = complete[-self.keep]
+        floor = complete[-self.keep]
+        for step in complete[-self.keep :]:  # the files the kept deltas are built on stay too
+            for s in range(world_size):
+                floor = min(floor, self.chain(step, s)[-1])
         for step in self.steps():
-            if step < oldest_kept:
+            if step < floor:
                 shutil.rmtree(self.step_dir(step), ignore_errors=True)
 
     # ------------------------------------------------------------------ reading
@@ -213,6 +278,9 @@ class CheckpointStore:
             CheckpointError: The file is missing, truncated, corrupted, or of another step, slot,
                 world size, model or optimizer.
         """
+        return torch.frombuffer(bytearray(self._read_full(step, slot, world_size, fingerprint, 0)), dtype=torch.uint8)
+
+    def _read_full(self, step: int, slot: int, world_size: int, fingerprint: str, depth: int) -> bytes:
         path = self.slot_file(step, slot)
         header, offset = self._header(path)
         want: dict[str, object] = {"step": step, "slot": slot, "world_size": world_size, "fingerprint": fingerprint}
@@ -233,7 +301,50 @@ class CheckpointStore:
             raise CheckpointError(f"{path}: truncated ({len(data)} of {header.nbytes} payload bytes)")
         if hashlib.sha256(data).hexdigest() != header.sha256:
             raise CheckpointError(f"{path}: corrupted (the payload's sha256 does not match its header)")
-        return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if header.base is None:
+            return data
+        if not 0 <= header.base < step or depth >= self.full_every + 64:
+            raise CheckpointError(f"{path}: corrupted (a delta on step {header.base})")
+        base = self._read_full(header.base, slot, world_size, fingerprint, depth + 1)
+        try:
+            full = apply_delta(base, data)
+        except ValueError as exc:
+            raise CheckpointError(f"{path}: the delta does not fit its base of step {header.base}: {exc}") from exc
+        if len(full) != header.full_nbytes or hashlib.sha256(full).hexdigest() != header.full_sha256:
+            raise CheckpointError(f"{path}: rebuilt from step {header.base}, it does not match its sha256")
+        return full
+
+    def file_info(self, step: int, slot: int) -> dict[str, Any]:
+        """The header of one slot file: ``kind`` (full or delta), ``base``, ``bytes`` on disk, ``full_bytes``, ...
+
+        Raises:
+            CheckpointError: The file is missing or its header is unreadable.
+        """
+        path = self.slot_file(step, slot)
+        h, _ = self._header(path)
+        return {
+            "step": h.step,
+            "slot": h.slot,
+            "world_size": h.world_size,
+            "fingerprint": h.fingerprint,
+            "kind": "full" if h.base is None else "delta",
+            "base": h.base,
+            "bytes": path.stat().st_size,
+            "full_bytes": h.full_nbytes,
+        }
+
+    def chain(self, step: int, slot: int) -> list[int]:
+        """The steps whose files restoring ``(step, slot)`` reads, newest first, down to its full file."""
+        out = [step]
+        while len(out) <= self.full_every + 1:
+            try:
+                base = self._header(self.slot_file(out[-1], slot))[0].base
+            except CheckpointError:
+                break
+            if base is None or base >= out[-1]:
+                break
+            out.append(base)
+        return out
 
     def _header(self, path: Path) -> tuple[_Header, int]:
         try:
@@ -260,6 +371,9 @@ class CheckpointStore:
                 fingerprint=str(h["fingerprint"]),
                 nbytes=int(h["nbytes"]),
                 sha256=str(h["sha256"]),
+                base=None if h.get("base") is None else int(h["base"]),
+                full_nbytes=int(h.get("full_nbytes", h["nbytes"])),
+                full_sha256=str(h.get("full_sha256") or h["sha256"]),
             )
         except (ValueError, KeyError, TypeError) as exc:
             if isinstance(exc, CheckpointError):

@@ -31,14 +31,11 @@ protected), and :meth:`steps` goes on from the step after it: at most the
 failed step is run again. An error that is not a peer failure leaves the
 ``with`` unchanged.
 
-**State.** Every snapshot holds, per slot: the optimizer's state (our sharded
-optimizers: their shard and master weights; a plain ``torch.optim`` optimizer:
-its ``state_dict()`` and the parameters, a replicated copy), the optimizer's
-hyperparameters (``lr`` ...), the model's buffers, the torch CPU RNG, the
-LR scheduler built by ``scheduler`` and every object in ``state`` (anything
-with ``state_dict()`` / ``load_state_dict()``: a data-loader position, a
-``GradScaler``, another RNG). Snapshots stay in memory, double-buffered and
-replicated to the next slot on a background thread.
+**State.** Every snapshot holds, per slot, the optimizer's state, the
+hyperparameters, buffers, RNG, the scheduler built by ``scheduler``, every
+object in ``state`` (anything with ``state_dict()`` / ``load_state_dict()``)
+and the loop's history (:mod:`optim.training_state`). Snapshots stay in
+memory, double-buffered and replicated to the next slot on a background thread.
 
 **Data contract.** A step's batches must be a function of ``(step, rank,
 world_size)`` (plus what ``state`` restores), so a step run again sees the
@@ -72,35 +69,22 @@ from types import TracebackType
 from typing import Any
 
 import torch
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 import sparsecomm.distributed as dist
 from bindings.errors import PeerFailureError
+from optim import training_state as ts
 from optim.checkpoint import CheckpointError, CheckpointStore, model_fingerprint, read_newest
 from optim.local import LocalAdamS, ReplicatedAdamS
 from optim.recovery import SlotSnapshots
 from optim.reshard import gather_full_state, restore_resharded
 from optim.resilient_config import BadStepsError, EventHook, ResilientConfig, Stateful
-from optim.scape import SCAPE
 from optim.sharded import _ShardedOptimizer
 from optim.snapshot import UnrecoverableStateError
 from resilient_comm import FaultAwareCommunicator, Reconfiguration
-from sparsecomm.mask import k_for
 
 __all__ = ["BadStepsError", "ResilientConfig", "ResilientTraining", "Stateful", "UnrecoverableStateError"]
 
 logger = logging.getLogger(__name__)
-
-
-def _copy_tensors(tree: Any) -> Any:
-    """``tree`` with every tensor cloned (user state may change in place before the snapshot is copied)."""
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().clone()
-    if isinstance(tree, dict):
-        return {k: _copy_tensors(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return [_copy_tensors(v) for v in tree]
-    return tree
 
 
 class _Step:
@@ -171,7 +155,7 @@ class ResilientTraining:
         # the initial state (step 0) is rebuilt from these on every slot: no snapshot of it is needed
         self._init_model = {k: v.clone() for k, v in model.state_dict().items()}
         self._init_rng = torch.get_rng_state()
-        self._init_state = {name: _copy_tensors(obj.state_dict()) for name, obj in state.items()}
+        self._init_state = {name: ts.copy_tensors(obj.state_dict()) for name, obj in state.items()}
         if communicator is None:
             communicator = FaultAwareCommunicator.connect(
                 timeout=self.config.timeout, side_channel=self.config.snapshots
@@ -179,11 +163,13 @@ class ResilientTraining:
             dist.init_process_group(communicator=communicator)
         self.comm = communicator
         self._store: CheckpointStore | None = None
-        if self.config.checkpoint_dir is not None:
-            self._store = CheckpointStore(self.config.checkpoint_dir, keep=self.config.keep_checkpoints)
-            if self.config.resume and not self._store.path.is_dir():
+        if (cfg := self.config).checkpoint_dir is not None:
+            self._store = CheckpointStore(
+                cfg.checkpoint_dir, keep=cfg.keep_checkpoints, full_every=cfg.full_checkpoint_every
+            )
+            if cfg.resume and not self._store.path.is_dir():
                 raise CheckpointError(f"resume: no checkpoint directory {self._store.path}")
-            if self.config.checkpoint_every:
+            if cfg.checkpoint_every:
                 self._store.check_writable()
         self._fingerprint = ""
         self._opt: Any = None
@@ -286,7 +272,7 @@ class ResilientTraining:
         value = 0.0
         if loss is not None:
             value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
-        bad = (loss is not None and not math.isfinite(value)) or not self._gradients_finite()
+        bad = (loss is not None and not math.isfinite(value)) or not ts.gradients_finite(self.model)
         # [loss, per rank: a NaN or Inf, a failed checkpoint write]: averaged, an entry stays > 0 where it was set
         buf = torch.zeros(1 + 2 * ws, dtype=torch.float32)
         buf[0] = value if math.isfinite(value) else 0.0
@@ -312,7 +298,7 @@ class ResilientTraining:
             return None
         mean: float | None = float(buf[0].item()) if loss is not None else None
         if not isinstance(self._opt, _ShardedOptimizer):
-            self._average_gradients()
+            ts.average_gradients(self.model)
         self._snaps.settle()
         self._opt.step()
         self._stepped, self._loss = True, mean
@@ -333,7 +319,7 @@ class ResilientTraining:
             self._snaps.drain()
             if isinstance(self._opt, LocalAdamS):
                 self._opt.average_params()
-            self.stats = self._snaps.stats()
+            self.stats = {**self._snaps.stats(), "checkpoints": self._store.written if self._store else []}
         self.close()
 
     def close(self) -> None:
@@ -417,9 +403,10 @@ class ResilientTraining:
         if store is None or not every or step % every:
             return None
         slot, ws, fingerprint = self.comm.rank, self.comm.world_size, self._fingerprint
+        decay = {f"optim/{k}": f for k, f in getattr(self._opt, "checkpoint_decay", dict)().items()}
 
         def write(data: torch.Tensor) -> None:
-            store.write(step, slot, ws, fingerprint, data)
+            store.write(step, slot, ws, fingerprint, data, decay)
 
         return write
 
@@ -457,30 +444,12 @@ class ResilientTraining:
             self._restore(trees[own_old])
             return newest
         logger.info("re-sharding the checkpoint of step %d from %d slots onto %d", newest, old_ws, ws)
-        common = trees[own_old]
-        if sharded:
-            full = gather_full_state(opt, [(s, trees[s]) for s in wanted], old_ws)
-            restore_resharded(opt, newest, full)
-        elif isinstance(opt, ReplicatedAdamS):
-            opt.restore_replica(common["optim"])
-        else:
-            self._load_plain(common["optim"])
-        self._load_common(common)
+        if not sharded:
+            self._restore_replica(trees[own_old])
+            return newest
+        restore_resharded(opt, newest, gather_full_state(opt, [(s, trees[s]) for s in wanted], old_ws))
+        self._load_common(trees[own_old])
         return newest
-
-    def _gradients_finite(self) -> bool:
-        """Whether every gradient of the model is finite (one float64 sum per tensor: no overflow)."""
-        sums = [p.grad.sum(dtype=torch.float64) for p in self.model.parameters() if p.grad is not None]
-        return not sums or bool(torch.stack(sums).isfinite().all())
-
-    def _average_gradients(self) -> None:
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        if not grads:
-            return
-        flat = _flatten_dense_tensors(grads)
-        dist.all_reduce(flat, op=dist.ReduceOp.AVG)
-        for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
-            g.copy_(synced)
 
     # ------------------------------------------------------------------ start
     def _start(self) -> None:
@@ -500,50 +469,20 @@ class ResilientTraining:
                 self._build()
                 start = 0
             self._snaps.put(start, self._tree(start))
-            self._snaps.start_replication(start, self._snapshot_headroom())
+            self._snaps.start_replication(start, ts.snapshot_headroom(self._opt, self._total))
             self._next = start + 1
         except PeerFailureError as exc:  # a member died before step 1: recover like at any step
             self._event("failed", step=0, epoch=comm.epoch, error=str(exc)[:200])
             self._next = self._recover_until_ok(comm.reconfigure())
 
-    # ------------------------------------------------------------------ snapshots
-    def _tree(self, step: int) -> dict[str, Any]:
-        opt = self._opt
-        if isinstance(opt, _ShardedOptimizer):
-            optim_state: Any = opt.snapshot_state()
-        else:  # a plain optimizer: a replicated copy of its state and of the parameters
-            params = {n: p.detach() for n, p in self.model.named_parameters()}
-            optim_state = {"params": params, "state_dict": opt.state_dict()}
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-        return {
-            "step": step,
-            "optim": optim_state,
-            "groups": groups,
-            "rng": torch.get_rng_state(),
-            "buffers": {n: b.detach().clone() for n, b in self.model.named_buffers()},
-            "scheduler": None if self._sched is None else _copy_tensors(self._sched.state_dict()),
-            "state": {name: _copy_tensors(obj.state_dict()) for name, obj in self._state.items()},
-            # the loss history travels too: a promoted spare knows every committed step's loss
-            "losses": torch.tensor(sorted(self.losses.items()), dtype=torch.float64).reshape(-1, 2),
-            "skipped": torch.tensor(self.skipped + [self._bad_run], dtype=torch.int64),
-        }
-
-    def _snapshot_headroom(self) -> int:
-        """Bytes a later snapshot may add to the largest one held now (the replication capacity's slack).
-
-        Headers grow a little with the step number, the loss history by one pair per step; SCAPE's snapshots hold no
-        masks during its dense warm-up and ``mask_delay`` masks of
-        ``world_size x k`` int64 indices once it is sparse.
-        """
-        # the loss history, (step, loss) float64 pairs, and the skipped steps, int64
-        headroom = (64 << 10) + 24 * (self._total + 1)
-        opt = self._opt
-        if isinstance(opt, SCAPE) and opt.density < 1.0:
-            b = opt.bucket
-            headroom += opt.mask_delay * b.world_size * k_for(b.numel, b.world_size, opt.density) * 8
-        return headroom
-
     # ------------------------------------------------------------------ state
+    def _tree(self, step: int) -> dict[str, Any]:
+        history = (self.losses, self.skipped, self._bad_run)
+        return ts.snapshot_tree(step, self.model, self._opt, self._sched, self._state, history)
+
+    def _load_common(self, tree: dict[str, Any]) -> None:
+        self.losses, self.skipped, self._bad_run = ts.load_common(tree, self.model, self._opt, self._sched, self._state)
+
     def _build(self) -> None:
         """(Re)build the optimizer and the scheduler over the model."""
         if self._opt is not None and hasattr(self._opt, "abandon"):
@@ -554,22 +493,13 @@ class ResilientTraining:
         self._fingerprint = model_fingerprint(self.model, self._opt)
         self._sched = self._sched_factory(self._opt) if self._sched_factory is not None else None
 
-    def _load_common(self, tree: dict[str, Any]) -> None:
-        """Load what every kind of optimizer shares: hyperparameters, buffers, scheduler, user state, losses, RNG."""
-        if self._sched is not None and tree.get("scheduler") is not None:
-            self._sched.load_state_dict(tree["scheduler"])
-        for group, saved in zip(self._opt.param_groups, tree["groups"], strict=True):
-            group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()})
-        buffers = dict(self.model.named_buffers())
-        with torch.no_grad():
-            for name, value in tree["buffers"].items():
-                buffers[name].copy_(value)
-        for name, obj in self._state.items():
-            obj.load_state_dict(tree["state"][name])
-        self.losses = {int(k): float(v) for k, v in tree["losses"].tolist()}
-        *skipped, self._bad_run = tree["skipped"].tolist()
-        self.skipped = [int(s) for s in skipped]
-        torch.set_rng_state(tree["rng"])
+    def _restore_replica(self, tree: dict[str, Any]) -> None:
+        """Load a whole replica (LocalAdamS, TopKAdamS, a plain optimizer) into the optimizer just built."""
+        if isinstance(self._opt, ReplicatedAdamS):
+            self._opt.restore_replica(tree["optim"])
+        else:
+            ts.load_plain(self.model, self._opt, tree["optim"])
+        self._load_common(tree)
 
     def _restore(self, tree: dict[str, Any] | None) -> None:
         """Rebuild the optimizer and load ``tree`` (``None``: the initial state). Collective."""
@@ -587,15 +517,8 @@ class ResilientTraining:
             opt.restore_snapshot(tree["optim"])
             opt.resync_params()
         else:
-            self._load_plain(tree["optim"])
+            ts.load_plain(self.model, self._opt, tree["optim"])
         self._load_common(tree)
-
-    def _load_plain(self, saved: dict[str, Any]) -> None:
-        params = dict(self.model.named_parameters())
-        with torch.no_grad():
-            for name, value in saved["params"].items():
-                params[name].copy_(value)
-        self._opt.load_state_dict(saved["state_dict"])
 
     # ------------------------------------------------------------------ recovery
     def _recover_until_ok(self, change: Reconfiguration) -> int:
@@ -611,6 +534,8 @@ class ResilientTraining:
         t0 = time.time()
         phases: dict[str, float] = {}
         self._snaps.stop()
+        if self._store is not None:
+            self._store.forget()  # the first checkpoint after a recovery is full: it builds on no older file
         phases["stop_replication_s"] = time.time() - t0
         last = max(self.losses) if self.losses else 0
         shrunk = change is not None and len(change.lost_slots) > len(change.promoted)
@@ -636,11 +561,7 @@ class ResilientTraining:
                 # every survivor holds a whole replica: it goes on from its own (the lost ones' drift is dropped)
                 own = self._snaps.own_tree(restore_step)
                 phases["transfer_s"] = time.time() - t0
-                if isinstance(opt, ReplicatedAdamS):
-                    opt.restore_replica(own["optim"])
-                else:
-                    self._load_plain(own["optim"])
-                self._load_common(own)
+                self._restore_replica(own)
             else:
                 held = self._snaps.held_trees(restore_step, old_slot, plan)
                 full = gather_full_state(opt, held, plan.old_world)
@@ -659,7 +580,7 @@ class ResilientTraining:
         phases["restore_s"] = time.time() - t0
         self._snaps.clear()
         self._snaps.put(max(restore_step, 0), self._tree(max(restore_step, 0)))
-        self._snaps.start_replication(max(restore_step, 0), self._snapshot_headroom())
+        self._snaps.start_replication(max(restore_step, 0), ts.snapshot_headroom(self._opt, self._total))
         # every slot is protected again before the next step: the restored state is on its buddy
         self._snaps.drain()
         phases["replication_s"] = time.time() - t0

@@ -54,6 +54,9 @@ class ResilientConfig:
         checkpoint_every: Committed steps between persistent checkpoints (> 0
             with ``checkpoint_dir``).
         keep_checkpoints: Complete checkpoint steps to keep (>= 1).
+        full_checkpoint_every: Each slot writes a full checkpoint at least every
+            this many checkpoints and, between them, only what changed since its
+            previous one (lossless; 1: every checkpoint full).
         resume: Start from the newest complete checkpoint in ``checkpoint_dir``
             (the same world size; every member checks every field and digest
             first, and all raise :class:`~optim.checkpoint.CheckpointError` when
@@ -67,6 +70,7 @@ class ResilientConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     keep_checkpoints: int = 2
+    full_checkpoint_every: int = 8
     resume: bool = False
 
     def __post_init__(self) -> None:
@@ -85,6 +89,9 @@ class ResilientConfig:
             raise ValueError(f"checkpoint_every: must be an int >= 0, got {every!r}")
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep_checkpoints: must be an int >= 1, got {keep!r}")
+        full = self.full_checkpoint_every
+        if isinstance(full, bool) or not isinstance(full, int) or full < 1:
+            raise ValueError(f"full_checkpoint_every: must be an int >= 1, got {full!r}")
         if not isinstance(self.resume, bool):
             raise TypeError(f"resume: must be a bool, got {self.resume!r}")
         if self.checkpoint_dir is None:

@@ -250,6 +250,13 @@ class SCAPE(ShardedAdamS):
         if self._sched is not None:
             self._sched.abandon()
 
+    def checkpoint_decay(self) -> dict[str, float]:
+        """With ``unselected="decay_m"``, every unselected first moment is multiplied by beta1 in a sparse step."""
+        betas = {g["betas"][0] for g in self.param_groups}
+        if self.unselected != "decay_m" or self.density >= 1.0 or len(betas) != 1:
+            return {}
+        return {"shard/exp_avg": float(betas.pop())}
+
     def _snapshot_extra(self) -> dict[str, Any]:
         # Masks of the next D steps were proposed before the last step: their
         # gathers had a step to finish. The newest one (step + D) is re-made on

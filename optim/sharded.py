@@ -324,6 +324,11 @@ class _ShardedOptimizer(Optimizer):
         return {}
 
     # ------------------------------------------------------------------ snapshots
+    def checkpoint_decay(self) -> dict[str, float]:
+        """Paths in :meth:`snapshot_state` of float32 tensors multiplied by a factor in every step
+        wherever nothing else happens to them (a delta checkpoint predicts them so); none here."""
+        return {}
+
     def snapshot_state(self) -> dict[str, Any]:
         """This rank's state after the last step, for an in-memory snapshot.
 

@@ -32,7 +32,15 @@ import torch
 from bindings.base import Communicator
 from bindings.errors import CommError
 
-__all__ = ["encode_tree", "decode_tree", "SnapshotRing", "Replicator", "UnrecoverableStateError"]
+__all__ = [
+    "encode_tree",
+    "decode_tree",
+    "TensorLayout",
+    "tensor_layout",
+    "SnapshotRing",
+    "Replicator",
+    "UnrecoverableStateError",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +110,53 @@ def encode_tree(tree: Any, out: torch.Tensor | None = None) -> torch.Tensor:
         if n:
             buf[lo : lo + n].copy_(t.reshape(-1).view(torch.uint8))
     return buf
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """Where the tensors of an :func:`encode_tree` encoding lie (see :func:`tensor_layout`).
+
+    Attributes:
+        start: Offset of the first tensor byte (after the length field and the header).
+        tensors: ``(offset from start, nbytes, dtype)`` of each tensor, in encoding order.
+        paths: ``"a/b/0"`` (dict keys and list positions from the root) -> tensor index.
+    """
+
+    start: int
+    tensors: list[tuple[int, int, str]]
+    paths: dict[str, int]
+
+
+def tensor_layout(buf: bytes) -> TensorLayout:
+    """Where the tensor bytes of an :func:`encode_tree` encoding lie, read from its header alone.
+
+    Raises:
+        ValueError: ``buf`` does not start with such a header.
+    """
+    if len(buf) < _HEADER_LEN:
+        raise ValueError("snapshot: too short")
+    hlen = int.from_bytes(buf[:_HEADER_LEN], "little")
+    if not 0 < hlen <= min(_MAX_HEADER, len(buf) - _HEADER_LEN):
+        raise ValueError(f"snapshot: bad header length {hlen}")
+    paths: dict[str, int] = {}
+
+    def walk(node: Any, path: str) -> None:
+        if isinstance(node, dict) and "__tensor__" in node:
+            paths[path] = int(node["__tensor__"])
+        elif isinstance(node, dict) and "__dict__" in node:
+            for k, v in node["__dict__"]:
+                walk(v, f"{path}/{k}" if path else str(k))
+        elif isinstance(node, dict) and "__list__" in node:
+            for n, v in enumerate(node["__list__"]):
+                walk(v, f"{path}/{n}" if path else str(n))
+
+    try:
+        header = json.loads(buf[_HEADER_LEN : _HEADER_LEN + hlen])
+        tensors = [(int(m["offset"]), int(m["nbytes"]), str(m["dtype"])) for m in header["tensors"]]
+        walk(header["tree"], "")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"snapshot: bad header ({exc})") from exc
+    return TensorLayout(start=_HEADER_LEN + hlen, tensors=tensors, paths=paths)
 
 
 def decode_tree(buf: torch.Tensor) -> Any:

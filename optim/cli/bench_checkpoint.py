@@ -9,6 +9,7 @@ from typing import Any
 from bindings.spawn import LocalRunError
 from optim.benchmarks.checkpoint import RECOVERY_PHASES, CheckpointBenchConfig, run_checkpoint_bench
 from optim.benchmarks.output import write_bench_json
+from optim.cli.bench_persist import add_persist_arguments, run_persist_command
 
 __all__ = ["add_checkpoint_parser", "format_checkpoint_table"]
 
@@ -110,6 +111,8 @@ def _optimizers(text: str) -> tuple[str, ...]:
 
 
 def _cmd_checkpoint(args: argparse.Namespace) -> int:
+    if args.persistent:
+        return run_persist_command(args)
     try:
         config = CheckpointBenchConfig(
             optimizers=args.optimizers,
@@ -160,7 +163,8 @@ def add_checkpoint_parser(inner: Any) -> None:
     d = CheckpointBenchConfig()
     p = inner.add_parser(
         "checkpoint",
-        help="in-memory snapshots: step-time overhead, bytes, replication bandwidth, recovery split",
+        help="in-memory snapshots: step-time overhead, bytes, replication bandwidth, recovery split; "
+        "--persistent: persistent checkpoints (bytes full / delta, write, restore, overhead)",
         description="Runs the resilient train job with SCAPE and dense ShardedAdamS at each model size: once "
         "with snapshots alternating in blocks (overhead, bytes, replication rate) and once with a worker "
         "SIGKILLed and replaced by a spare (recovery split); then times a large snapshot between 2 local "
@@ -192,4 +196,5 @@ def add_checkpoint_parser(inner: Any) -> None:
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="deadline of each job, seconds")
     p.add_argument("--out", metavar="DIR", default=d.out, help="directory of the jobs' event files")
     p.add_argument("--json", metavar="FILE", help="write the result as JSON")
+    add_persist_arguments(p)
     p.set_defaults(func=_cmd_checkpoint, cmd_parser=p)

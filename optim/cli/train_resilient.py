@@ -39,6 +39,9 @@ def add_resilience_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-dir", default=None, metavar="DIR", help="also write persistent checkpoints to DIR")
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="committed steps between checkpoints")
     p.add_argument("--keep", type=int, default=2, metavar="K", help="complete checkpoints to keep")
+    p.add_argument(
+        "--full-every", type=int, default=8, metavar="M", help="a full checkpoint every M, deltas between (1: all full)"
+    )
     p.add_argument("--resume", action="store_true", help="start from the newest complete checkpoint in DIR")
 
 
@@ -145,6 +148,7 @@ def run_resilient_cmd(args: argparse.Namespace, config: TrainConfig) -> int:
             checkpoint_dir=args.checkpoint_dir,
             checkpoint_every=args.checkpoint_every,
             keep_checkpoints=args.keep,
+            full_checkpoint_every=args.full_every,
             resume=args.resume,
         )
         res.check_against(config)

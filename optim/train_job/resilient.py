@@ -70,7 +70,7 @@ class ResilienceConfig:
             ``committed`` event says whether its step took one. A failure
             restores the newest snapshot every slot holds, which may be older.
             0 (default): a snapshot after every step.
-        checkpoint_dir, checkpoint_every, keep_checkpoints, resume: persistent
+        checkpoint_dir, checkpoint_every, keep_checkpoints, full_checkpoint_every, resume: persistent
             checkpoints, as :class:`optim.resilient.ResilientConfig`'s.
     """
 
@@ -83,6 +83,7 @@ class ResilienceConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     keep_checkpoints: int = 2
+    full_checkpoint_every: int = 8
     resume: bool = False
 
     def resilient_config(self, timeout_s: float) -> ResilientConfig:
@@ -94,6 +95,7 @@ class ResilienceConfig:
             checkpoint_dir=self.checkpoint_dir,
             checkpoint_every=self.checkpoint_every,
             keep_checkpoints=self.keep_checkpoints,
+            full_checkpoint_every=self.full_checkpoint_every,
             resume=self.resume,
         )
 

@@ -1,0 +1,147 @@
+"""What a snapshot of :class:`optim.resilient.ResilientTraining` holds, and how it is loaded back.
+
+A snapshot tree (one per slot and committed step) holds the optimizer's state
+(our sharded optimizers: their shard and master weights; a plain
+``torch.optim`` optimizer: its ``state_dict()`` and the parameters, a
+replicated copy), the hyperparameters of every parameter group, the model's
+buffers, the torch CPU RNG, the LR scheduler, the user's extra state and the
+loop's history (committed losses, skipped steps). The functions here build
+such a tree and load its parts; which parts a recovery loads, and from
+where, is :mod:`optim.resilient`'s business.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+import sparsecomm.distributed as dist
+from optim.resilient_config import Stateful
+from optim.scape import SCAPE
+from optim.sharded import _ShardedOptimizer
+from sparsecomm.mask import k_for
+
+__all__ = [
+    "History",
+    "average_gradients",
+    "copy_tensors",
+    "gradients_finite",
+    "load_common",
+    "load_plain",
+    "snapshot_headroom",
+    "snapshot_tree",
+]
+
+#: The loop's history in a snapshot: committed losses by step, skipped steps, skips in a row.
+History = tuple[dict[int, float], list[int], int]
+
+
+def copy_tensors(tree: Any) -> Any:
+    """``tree`` with every tensor cloned (user state may change in place before the snapshot is copied)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return {k: copy_tensors(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return [copy_tensors(v) for v in tree]
+    return tree
+
+
+def snapshot_tree(
+    step: int,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    sched: Stateful | None,
+    state: Mapping[str, Stateful],
+    history: History,
+) -> dict[str, Any]:
+    """The snapshot tree of ``step`` (live optimizer tensors: encode it before the next step)."""
+    if isinstance(opt, _ShardedOptimizer):
+        optim_state: Any = opt.snapshot_state()
+    else:  # a plain optimizer: a replicated copy of its state and of the parameters
+        params = {n: p.detach() for n, p in model.named_parameters()}
+        optim_state = {"params": params, "state_dict": opt.state_dict()}
+    losses, skipped, bad_run = history
+    return {
+        "step": step,
+        "optim": optim_state,
+        "groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+        "rng": torch.get_rng_state(),
+        "buffers": {n: b.detach().clone() for n, b in model.named_buffers()},
+        "scheduler": None if sched is None else copy_tensors(sched.state_dict()),
+        "state": {name: copy_tensors(obj.state_dict()) for name, obj in state.items()},
+        # the loss history travels too: a promoted spare knows every committed step's loss
+        "losses": torch.tensor(sorted(losses.items()), dtype=torch.float64).reshape(-1, 2),
+        "skipped": torch.tensor(skipped + [bad_run], dtype=torch.int64),
+    }
+
+
+def snapshot_headroom(opt: torch.optim.Optimizer, total_steps: int) -> int:
+    """Bytes a later snapshot may add to the largest one held now (the replication capacity's slack).
+
+    Headers grow a little with the step number, the loss history by one pair per step; SCAPE's snapshots hold no
+    masks during its dense warm-up and ``mask_delay`` masks of
+    ``world_size x k`` int64 indices once it is sparse.
+    """
+    # the loss history, (step, loss) float64 pairs, and the skipped steps, int64
+    headroom = (64 << 10) + 24 * (total_steps + 1)
+    if isinstance(opt, SCAPE) and opt.density < 1.0:
+        b = opt.bucket
+        headroom += opt.mask_delay * b.world_size * k_for(b.numel, b.world_size, opt.density) * 8
+    return headroom
+
+
+def load_common(
+    tree: dict[str, Any],
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    sched: Stateful | None,
+    state: Mapping[str, Stateful],
+) -> History:
+    """Load what every kind of optimizer shares: hyperparameters, buffers, scheduler, user state, RNG.
+
+    Returns:
+        The loop's history the tree holds.
+    """
+    if sched is not None and tree.get("scheduler") is not None:
+        sched.load_state_dict(tree["scheduler"])
+    for group, saved in zip(opt.param_groups, tree["groups"], strict=True):
+        group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in saved.items()})
+    buffers = dict(model.named_buffers())
+    with torch.no_grad():
+        for name, value in tree["buffers"].items():
+            buffers[name].copy_(value)
+    for name, obj in state.items():
+        obj.load_state_dict(tree["state"][name])
+    torch.set_rng_state(tree["rng"])
+    *skipped, bad_run = tree["skipped"].tolist()
+    return {int(k): float(v) for k, v in tree["losses"].tolist()}, [int(s) for s in skipped], int(bad_run)
+
+
+def load_plain(model: torch.nn.Module, opt: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+    """Load a plain optimizer's snapshot: the replicated parameters and its ``state_dict()``."""
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in saved["params"].items():
+            params[name].copy_(value)
+    opt.load_state_dict(saved["state_dict"])
+
+
+def gradients_finite(model: torch.nn.Module) -> bool:
+    """Whether every gradient of ``model`` is finite (one float64 sum per tensor: no overflow)."""
+    sums = [p.grad.sum(dtype=torch.float64) for p in model.parameters() if p.grad is not None]
+    return not sums or bool(torch.stack(sums).isfinite().all())
+
+
+def average_gradients(model: torch.nn.Module) -> None:
+    """Average the gradients of ``model`` over the ranks (one all-reduce). Collective: every rank must call this."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return
+    flat = _flatten_dense_tensors(grads)
+    dist.all_reduce(flat, op=dist.ReduceOp.AVG)
+    for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
+        g.copy_(synced)

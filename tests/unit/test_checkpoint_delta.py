@@ -1,0 +1,146 @@
+"""Delta checkpoints: the codec (:mod:`optim.delta`) and the store's chains, retention and refusals."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from optim.checkpoint import CheckpointError, CheckpointStore
+from optim.delta import apply_delta, encode_delta
+from optim.snapshot import decode_tree, encode_tree
+
+FP = "f" * 32
+
+
+def _tree(step: int, w: torch.Tensor, m: torch.Tensor) -> dict:
+    return {"step": step, "master": w, "shard": {"exp_avg": m}, "losses": torch.rand(step, 2, dtype=torch.float64)}
+
+
+def _bytes(tree: dict) -> bytes:
+    return encode_tree(tree).numpy().tobytes()
+
+
+def _sparse_change(w: torch.Tensor, frac: float, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    out = w.clone()
+    idx = torch.randperm(w.numel(), generator=g)[: int(frac * w.numel())]
+    out[idx] += torch.randn(idx.numel(), generator=g)
+    return out
+
+
+_rnd = random.Random(7)
+_CASES = [(_rnd.uniform(0.0, 0.3), _rnd.randrange(1000), _rnd.randrange(1, 5000), _rnd.randrange(4)) for _ in range(40)]
+
+
+@pytest.mark.parametrize(("frac", "seed", "n", "tail"), _CASES + [(0.0, 0, 1, 0), (1.0, 1, 7, 3)])
+def test_delta_round_trip_is_exact(frac: float, seed: int, n: int, tail: int) -> None:
+    w = torch.randn(n)
+    old = {**_tree(3, w, w * 2), "odd": torch.arange(tail, dtype=torch.uint8)}
+    new = {**_tree(4, _sparse_change(w, frac, seed), w * 2), "odd": torch.arange(tail, dtype=torch.uint8) + 1}
+    a, b = _bytes(old), _bytes(new)
+    delta = encode_delta(a, b, max_ratio=10.0)
+    assert delta is not None
+    assert apply_delta(a, delta) == b
+
+
+def test_both_position_codings_are_used_and_exact() -> None:
+    w = torch.randn(100_000)
+    base = _bytes(_tree(1, w, w))
+    for frac in (0.001, 0.2):  # few changes: an index list; many: a bitmask
+        new = _bytes(_tree(2, _sparse_change(w, frac, 0), w))
+        delta = encode_delta(base, new)
+        assert delta is not None and apply_delta(base, delta) == new
+        d = decode_tree(torch.frombuffer(bytearray(delta), dtype=torch.uint8))
+        assert (d["mask"] is None) == (frac < 1 / 32), frac
+    small = encode_delta(base, _bytes(_tree(2, _sparse_change(w, 0.01, 0), w)))
+    assert small is not None and len(small) < len(base) / 10
+
+
+def test_a_grown_tensor_costs_its_new_part_and_a_dense_change_gets_no_delta() -> None:
+    w = torch.randn(10_000)
+    base = _bytes(_tree(1, w, w))
+    grown = _bytes({**_tree(1, w, w), "losses": torch.cat([_tree(1, w, w)["losses"], torch.ones(40, 2)])})
+    delta = encode_delta(base, grown)
+    assert delta is not None and len(delta) < 2000 and apply_delta(base, delta) == grown
+    assert encode_delta(base, _bytes(_tree(2, torch.randn(10_000), torch.randn(10_000)))) is None  # all changed
+
+
+def test_a_delta_on_the_wrong_base_is_caught() -> None:
+    """The codec rebuilds whatever the base gives (the store's sha256 of the result catches a wrong base)."""
+    w = torch.randn(1000)
+    base, new = _bytes(_tree(1, w, w)), _bytes(_tree(2, _sparse_change(w, 0.01, 1), w))
+    delta = encode_delta(base, new)
+    assert delta is not None
+    assert apply_delta(_bytes(_tree(1, w + 1, w)), delta) != new
+    with pytest.raises(ValueError, match="not a checkpoint delta"):
+        apply_delta(base, base)
+
+
+def _payload(tree: dict) -> torch.Tensor:
+    return encode_tree(tree)
+
+
+def _run(store: CheckpointStore, steps: list[int], world: int = 2, frac: float = 0.01) -> dict[tuple[int, int], bytes]:
+    """Write ``steps`` for every slot of ``world``; return what each file must read back as."""
+    written = {}
+    ws = {s: torch.randn(20_000, generator=torch.Generator().manual_seed(s)) for s in range(world)}
+    for step in steps:
+        for slot in range(world):
+            ws[slot] = _sparse_change(ws[slot], frac, step * 10 + slot)
+            payload = _payload(_tree(step, ws[slot], ws[slot] * 0.5))
+            store.write(step, slot, world, FP, payload)
+            written[(step, slot)] = payload.numpy().tobytes()
+    return written
+
+
+def test_store_writes_a_full_file_every_m_and_reads_every_step_back(tmp_path) -> None:
+    store = CheckpointStore(tmp_path, keep=10, full_every=3)
+    written = _run(store, [10, 20, 30, 40, 50, 60, 70])
+    kinds = [w["kind"] for w in store.written if w["slot"] == 0]
+    assert kinds == ["full", "delta", "delta", "full", "delta", "delta", "full"]
+    full = [w["bytes"] for w in store.written if w["kind"] == "full"]
+    delta = [w["bytes"] for w in store.written if w["kind"] == "delta"]
+    assert max(delta) * 10 < min(full)
+    fresh = CheckpointStore(tmp_path, keep=10, full_every=3)  # another process reads: nothing held in memory
+    for (step, slot), data in written.items():
+        assert fresh.read(step, slot, 2, FP).numpy().tobytes() == data
+
+
+def test_retention_keeps_the_files_the_kept_deltas_build_on(tmp_path) -> None:
+    store = CheckpointStore(tmp_path, keep=1, full_every=4)
+    written = _run(store, [1, 2, 3, 4, 5, 6])  # full at 1 and 5; 6 is a delta on 5
+    assert store.steps() == [5, 6]
+    for slot in range(2):
+        assert store.read(6, slot, 2, FP).numpy().tobytes() == written[(6, slot)]
+
+
+def test_forget_and_a_new_layout_start_a_new_full_file(tmp_path) -> None:
+    store = CheckpointStore(tmp_path, keep=5, full_every=8)
+    _run(store, [1, 2])
+    store.forget()
+    _run(store, [3])
+    _run(store, [4], world=3)  # another world size: nothing to build on
+    kinds = {(w["step"], w["slot"]): w["kind"] for w in store.written}
+    assert kinds[(2, 0)] == "delta" and kinds[(3, 0)] == "full" and kinds[(4, 0)] == "full"
+
+
+def test_a_corrupted_or_missing_base_fails_the_delta_loudly(tmp_path) -> None:
+    store = CheckpointStore(tmp_path, keep=5, full_every=8)
+    _run(store, [1, 2, 3])
+    base = store.slot_file(1, 0)
+    raw = bytearray(base.read_bytes())
+    raw[-100] ^= 0xFF
+    base.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="corrupted"):
+        store.read(3, 0, 2, FP)
+    base.unlink()
+    with pytest.raises(CheckpointError, match="missing"):
+        store.read(3, 0, 2, FP)
+    assert store.read(1, 1, 2, FP) is not None  # the other slot's chain is whole
+
+
+def test_full_every_is_checked() -> None:
+    with pytest.raises(CheckpointError, match="full_every"):
+        CheckpointStore("x", full_every=0)
