@@ -170,10 +170,12 @@ class CheckpointStore:
             and prev[0] < step
             and prev[4] + 1 < self.full_every
         ):
-            paths = tensor_layout(full).paths
-            times = step - prev[0]
-            predict = {paths[k]: (f, times) for k, f in (decay or {}).items() if k in paths}
-            delta = encode_delta(prev[3], full, decay=predict)
+            try:
+                paths = tensor_layout(full).paths
+                predict = {paths[k]: (f, step - prev[0]) for k, f in (decay or {}).items() if k in paths}
+                delta = encode_delta(prev[3], full, decay=predict)
+            except ValueError:  # not a snapshot encoding: nothing to line up, a full file
+                delta = None
             if delta is not None:
                 data, base, chain = delta, prev[0], prev[4] + 1
         header = json.dumps(
