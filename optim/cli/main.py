@@ -27,6 +27,7 @@ import torch
 import sparsecomm
 from bindings.spawn import LocalRunError
 from optim.cli.bench import add_bench_parser
+from optim.cli.export import add_export_parser
 from optim.cli.launch import add_launch_parsers
 from optim.cli.options import add_model_options, add_scape_options, model_settings, scape_settings
 from optim.cli.train_resilient import add_resilience_options, run_resilient_cmd, wants_resilience
@@ -300,6 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_parser(subparsers)
     add_bench_parser(subparsers)
     add_launch_parsers(subparsers)
+    add_export_parser(subparsers)
     return parser
 
 

@@ -128,6 +128,27 @@ class ResilienceConfig:
                 raise ValueError(f"kill {slot}@{step}: outside {config.nproc} slots x {config.steps} steps")
 
 
+#: The train job's settings in its checkpoint directory (``sparsecomm export`` reads them).
+TRAIN_SPEC = "train.json"
+
+
+def _train_config(fields: dict[str, Any]) -> TrainConfig:
+    return TrainConfig(**{**fields, "betas": tuple(fields["betas"])})
+
+
+def train_config_from(checkpoint_dir: str | os.PathLike[str]) -> TrainConfig:
+    """The :class:`TrainConfig` of the train job that wrote ``checkpoint_dir``.
+
+    Raises:
+        ValueError: The directory holds no readable ``train.json``.
+    """
+    path = Path(checkpoint_dir) / TRAIN_SPEC
+    try:
+        return _train_config(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: not the settings of a sparsecomm train job ({exc})") from exc
+
+
 # ---------------------------------------------------------------------------------------------- worker
 def _params_digest(model: torch.nn.Module) -> str:
     h = hashlib.sha256()
@@ -182,9 +203,7 @@ def _run_worker(config: TrainConfig, res: ResilienceConfig, out: Path, log: Proc
 def worker_main(spec_path: str) -> int:
     """Entry point of one worker (``python -m optim.train_job.resilient SPEC``)."""
     spec = json.loads(Path(spec_path).read_text())
-    train = spec["train"]
-    train["betas"] = tuple(train["betas"])
-    config = TrainConfig(**train)
+    config = _train_config(spec["train"])
     res = ResilienceConfig(**{**spec["resilience"], "kills": tuple(tuple(k) for k in spec["resilience"]["kills"])})
     logging.basicConfig(level=logging.WARNING)
     log = ProcessEvents(spec["out"])
@@ -215,6 +234,12 @@ def run_resilient_training(config: TrainConfig, res: ResilienceConfig, out: str 
     spec = {"train": dataclasses.asdict(config), "resilience": dataclasses.asdict(res), "out": str(out)}
     spec_path = out / "spec.json"
     spec_path.write_text(json.dumps(spec))
+    if res.checkpoint_dir is not None:  # what `sparsecomm export` rebuilds the model and optimizer from
+        ckpt = Path(res.checkpoint_dir)
+        ckpt.mkdir(parents=True, exist_ok=True)
+        tmp = ckpt / f".{TRAIN_SPEC}.tmp-{os.getpid()}"
+        tmp.write_text(json.dumps(dataclasses.asdict(config)) + "\n")
+        os.replace(tmp, ckpt / TRAIN_SPEC)
     repo = str(Path(__file__).resolve().parents[2])
     launcher = Launcher(
         [sys.executable, "-m", "optim.train_job.resilient", str(spec_path)],

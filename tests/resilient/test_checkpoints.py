@@ -6,6 +6,7 @@ The job is ``examples/resilient_loop.py`` under ``sparsecomm launch``, as users 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -23,6 +24,8 @@ import torch
 
 from bindings.store import open_store
 from optim.checkpoint import MAGIC, CheckpointError, CheckpointStore
+from optim.train_job.resilient import train_config_from
+from optim.train_job.tasks import make_task
 from resilient_comm.keys import COMMITTED
 
 pytestmark = pytest.mark.dist
@@ -150,6 +153,26 @@ def test_store_reads_back_and_checks_every_field(tmp_path: Path) -> None:
     assert not list(tmp_path.rglob(".*tmp*"))
 
 
+def _check_export(ckpt: Path, out: Path, digest: str | None) -> None:
+    """``sparsecomm export``: a plain state_dict that torch.load reads; the run's final weights bit for bit."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "optim", "export", str(ckpt), str(out)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    state = torch.load(out, weights_only=True)
+    model = make_task(train_config_from(ckpt).task_spec()).build_model()
+    assert state.keys() == model.state_dict().keys()
+    assert all(v.isfinite().all() for v in state.values())
+    h = hashlib.sha256()
+    for name, _ in model.named_parameters():
+        h.update(name.encode())
+        h.update(state[name].contiguous().view(torch.uint8).numpy().tobytes())
+    if digest is not None:  # the sharded optimizer's replicas are the master weights: bit-identical
+        assert h.hexdigest() == digest
+    bad = subprocess.run([sys.executable, "-m", "optim", "export", str(out.parent), str(out)], capture_output=True)
+    assert bad.returncode != 0 and b"not the settings of a sparsecomm train job" in bad.stderr
+
+
 def _train(out: Path, *args: str) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "optim", "train", "--nproc", "2", "--eval-interval", "10", "--out", str(out), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
@@ -193,6 +216,7 @@ def test_resume_on_another_world_size_reshards(tmp_path: Path, optimizer: str, w
     ckpt = tmp_path / "ckpt"
     common = ["--optimizer", optimizer, "--density", "0.1", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "10"]
     first = _train(tmp_path / "first", "--nproc", "4", "--steps", "20", *common)
+    _check_export(ckpt, tmp_path / "model.pt", first["params_digest"] if optimizer == "scape" else None)
     for n in worlds:
         r = _train(tmp_path / f"on{n}", "--nproc", str(n), "--steps", "30", "--resume", *common)
         losses = {int(k): v for k, v in r["losses"].items()}
