@@ -39,10 +39,12 @@ import hashlib
 import json
 import logging
 import os
+import queue
 import re
 import shutil
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -111,10 +113,84 @@ class CheckpointStore:
         # per slot: (step, world size, fingerprint, payload, deltas since the last full file) of its last write
         self._last: dict[int, tuple[int, int, str, bytes, int]] = {}
         self.written: list[dict[str, Any]] = []  # step, slot, kind, bytes, seconds of every file written here
+        self.error: str | None = None
+        """Why the last background write failed (``None``: none failed)."""
+        self._queue: queue.Queue[tuple[Any, ...] | None] | None = None
+        self._thread: threading.Thread | None = None
 
     def forget(self) -> None:
         """Build the next checkpoint of every slot on nothing: it is written full (after a recovery)."""
+        self.drain()
         self._last.clear()
+
+    # ------------------------------------------------------------------ background writes
+    def persister(
+        self, step: int, slot: int, world_size: int, fingerprint: str, decay: Mapping[str, float] | None = None
+    ) -> Callable[[torch.Tensor], None]:
+        """What hands the snapshot of ``step`` (encoded bytes) to the background writer (:meth:`submit`)."""
+
+        def persist(data: torch.Tensor) -> None:
+            self.submit(step, slot, world_size, fingerprint, data.detach().reshape(-1).numpy().tobytes(), decay)
+
+        return persist
+
+    def submit(
+        self,
+        step: int,
+        slot: int,
+        world_size: int,
+        fingerprint: str,
+        payload: bytes,
+        decay: Mapping[str, float] | None = None,
+    ) -> None:
+        """Queue a :meth:`write` for the writer thread; a failure lands in :attr:`error`, never raised here.
+
+        The thread runs at the lowest CPU priority (``nice`` 19, Linux), so on a
+        machine whose cores the training fills it takes the time the ranks
+        leave (waits on communication); two queued writes make the next
+        submission wait.
+        """
+        if self._thread is None:
+            self._queue = queue.Queue(maxsize=2)
+            self._thread = threading.Thread(target=self._run, name="sparsecomm-checkpoint-writer", daemon=True)
+            self._thread.start()
+        assert self._queue is not None
+        self._queue.put((step, slot, world_size, fingerprint, payload, decay))
+
+    def drain(self, timeout: float = 600.0) -> bool:
+        """Wait until every submitted write finished (written or failed); ``False`` at the deadline."""
+        end = time.monotonic() + timeout
+        while self._queue is not None and self._queue.unfinished_tasks:
+            if time.monotonic() > end:
+                return False
+            time.sleep(0.002)
+        return True
+
+    def close(self) -> None:
+        """Finish the queued writes and stop the writer thread (idempotent)."""
+        if self._thread is not None and self._queue is not None:
+            self._queue.put(None)
+            self._thread.join(timeout=120)
+        self._thread = self._queue = None
+
+    def _run(self) -> None:
+        try:  # on Linux a thread has its own nice value
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (AttributeError, OSError):
+            pass
+        q = self._queue
+        assert q is not None
+        while True:
+            item = q.get()
+            try:
+                if item is None:
+                    return
+                self.write(*item)
+            except CheckpointError as exc:
+                self.error = str(exc)
+                logger.warning("checkpoint write failed: %s", exc)
+            finally:
+                q.task_done()
 
     # ------------------------------------------------------------------ names
     def step_dir(self, step: int) -> Path:
@@ -147,7 +223,7 @@ class CheckpointStore:
         slot: int,
         world_size: int,
         fingerprint: str,
-        payload: torch.Tensor,
+        payload: torch.Tensor | bytes,
         decay: Mapping[str, float] | None = None,
     ) -> Path:
         """Write one slot's snapshot of ``step`` atomically, then drop what retention no longer keeps.
@@ -161,7 +237,7 @@ class CheckpointStore:
             CheckpointError: The file could not be written (the final name then does not exist).
         """
         t0 = time.perf_counter()
-        full = payload.detach().reshape(-1).to(torch.uint8).numpy().tobytes()
+        full = payload if isinstance(payload, bytes) else payload.detach().reshape(-1).to(torch.uint8).numpy().tobytes()
         prev = self._last.pop(slot, None)
         data, base, chain = full, None, 0
         if (
@@ -427,6 +503,7 @@ def read_newest(
         CheckpointError: On every member: no complete checkpoint, members that see different
             ones, or a slot file that cannot be loaded (missing, truncated, corrupted, foreign).
     """
+    store.drain()  # this member's own writes in flight first
     found = store.newest_complete()
     mine = torch.tensor([found[0] if found else -1, found[1] if found else -1], dtype=torch.int64)
     seen = torch.empty(2 * world_size, dtype=torch.int64)

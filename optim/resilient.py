@@ -32,10 +32,9 @@ failed step is run again. An error that is not a peer failure leaves the
 ``with`` unchanged.
 
 **State.** Every snapshot holds, per slot, the optimizer's state, the
-hyperparameters, buffers, RNG, the scheduler built by ``scheduler``, every
-object in ``state`` (anything with ``state_dict()`` / ``load_state_dict()``)
-and the loop's history (:mod:`optim.training_state`). Snapshots stay in
-memory, double-buffered and replicated to the next slot on a background thread.
+hyperparameters, buffers, RNG, scheduler, every object in ``state`` and the
+loop's history (:mod:`optim.training_state`); snapshots stay in memory,
+double-buffered and replicated to the next slot on a background thread.
 
 **Data contract.** A step's batches must be a function of ``(step, rank,
 world_size)`` (plus what ``state`` restores), so a step run again sees the
@@ -43,16 +42,16 @@ same data. Under hot-swap ranks and world size never change, and a run with
 failures follows the failure-free one bit for bit on CPU; a shrink re-shards
 the optimizer over fewer ranks and changes the data split from then on.
 
-**Bad steps.** A step whose loss or gradient is not finite (NaN or Inf) on
-any rank is skipped everywhere: :meth:`optimizer_step` finds it (one
-all-reduce carries every rank's verdict with the loss), no optimizer steps,
-the model's buffers go back to what they were when the step began, the step
-commits as *skipped* (:attr:`ResilientTraining.skipped`; no loss recorded)
-and :meth:`steps` goes on with the next step, so that step's batch is
-skipped deterministically. ``ResilientConfig.max_bad_steps`` consecutive
-skips are absorbed; one more ends the run with :class:`BadStepsError` on
-every rank. An LR scheduler the loop steps still advances over a skipped
-step (as with ``torch.amp.GradScaler``).
+**Bad steps and stragglers** (:mod:`optim.step_health`: one all-reduce in
+:meth:`optimizer_step` carries every rank's verdict with the loss). A step
+whose loss or gradient is not finite on any rank is skipped everywhere: no
+optimizer steps, the buffers go back to the step's start, the step commits
+as *skipped* (:attr:`skipped`; no loss) and :meth:`steps` goes on, so its
+batch is skipped deterministically; ``max_bad_steps`` in a row are
+absorbed, one more raises :class:`BadStepsError` on every rank (an LR
+scheduler still advances, as with ``torch.amp.GradScaler``). A rank whose
+compute time stays far above the others' is reported to the coordinator,
+which replaces it when a spare is free (``ResilientConfig.straggler_factor``).
 
 The optimizer is rebuilt by ``optimizer(model)`` after every failure: reach
 it through :attr:`ResilientTraining.optimizer`, never through a reference
@@ -80,6 +79,7 @@ from optim.reshard import gather_full_state, restore_resharded
 from optim.resilient_config import BadStepsError, EventHook, ResilientConfig, Stateful
 from optim.sharded import _ShardedOptimizer
 from optim.snapshot import UnrecoverableStateError
+from optim.step_health import StragglerDetector, exchange_step_reports
 from resilient_comm import FaultAwareCommunicator, Reconfiguration
 
 __all__ = ["BadStepsError", "ResilientConfig", "ResilientTraining", "Stateful", "UnrecoverableStateError"]
@@ -117,7 +117,7 @@ class ResilientTraining:
             connected from the environment ``sparsecomm launch`` sets, and made
             the default group of :mod:`sparsecomm.distributed`).
         on_event: Called with ``(name, fields)`` at ``joined``, ``promoted``,
-            ``committed``, ``bad_step``, ``failed`` and ``restored``.
+            ``committed``, ``bad_step``, ``straggler``, ``failed`` and ``restored``.
 
     Raises:
         TypeError: A bad argument.
@@ -175,6 +175,7 @@ class ResilientTraining:
         self._opt: Any = None
         self._sched: Stateful | None = None
         self._snaps = SlotSnapshots(self.comm, self.config.timeout)
+        self._stragglers = StragglerDetector(factor=cfg.straggler_factor, window=cfg.straggler_window)
         self._next, self._total = 1, 0
         self._started = False
         self._finished = False
@@ -268,35 +269,32 @@ class ResilientTraining:
             raise RuntimeError("optimizer_step: call it inside `with ft.step(step):`")
         if self._stepped:
             raise RuntimeError(f"optimizer_step: already called in step {self._in_step}")
-        ws, rank = self.comm.world_size, self.comm.rank
+        compute_s = time.perf_counter() - self._t0
         value = 0.0
         if loss is not None:
             value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
         bad = (loss is not None and not math.isfinite(value)) or not ts.gradients_finite(self.model)
-        # [loss, per rank: a NaN or Inf, a failed checkpoint write]: averaged, an entry stays > 0 where it was set
-        buf = torch.zeros(1 + 2 * ws, dtype=torch.float32)
-        buf[0] = value if math.isfinite(value) else 0.0
-        buf[1 + rank] = 1.0 if bad else 0.0
-        write_error = self._snaps.persist_error
-        buf[1 + ws + rank] = 1.0 if write_error is not None else 0.0
-        dist.all_reduce(buf, op=dist.ReduceOp.AVG)
-        failed_writes = [r for r in range(ws) if float(buf[1 + ws + r]) > 0.0]
-        if failed_writes:
+        write_error = self._snaps.persist_error or (self._store.error if self._store is not None else None)
+        rep = exchange_step_reports(value, bad, write_error is not None, compute_s)
+        if rep.failed_writes:
             raise CheckpointError(
-                f"step {self._in_step}: a persistent checkpoint could not be written on ranks {failed_writes}"
+                f"step {self._in_step}: a persistent checkpoint could not be written on ranks {rep.failed_writes}"
                 + (f" (here: {write_error})" if write_error is not None else "")
             )
-        bad_ranks = [r for r in range(ws) if float(buf[1 + r]) > 0.0]
-        if bad_ranks:
+        if (slow := self._stragglers.observe(rep.compute_s)) is not None:
+            self._event("straggler", step=self._in_step, rank=slow, compute_s=rep.compute_s)
+            if self.comm.rank == 0:  # one request is enough; the coordinator replaces it if a spare is free
+                self.comm.report_straggler(slow, f"step {self._in_step}: compute times {rep.compute_s}")
+        if rep.bad_ranks:
             if self._bad_run >= self.config.max_bad_steps:
                 raise BadStepsError(
-                    f"step {self._in_step}: loss or gradient not finite on ranks {bad_ranks}, after "
+                    f"step {self._in_step}: loss or gradient not finite on ranks {rep.bad_ranks}, after "
                     f"{self._bad_run} skipped steps in a row (max_bad_steps={self.config.max_bad_steps})"
                 )
             self._opt.zero_grad(set_to_none=True)
-            self._stepped, self._loss, self._bad = True, None, bad_ranks
+            self._stepped, self._loss, self._bad = True, None, rep.bad_ranks
             return None
-        mean: float | None = float(buf[0].item()) if loss is not None else None
+        mean = rep.mean_loss if loss is not None else None
         if not isinstance(self._opt, _ShardedOptimizer):
             ts.average_gradients(self.model)
         self._snaps.settle()
@@ -319,6 +317,8 @@ class ResilientTraining:
             self._snaps.drain()
             if isinstance(self._opt, LocalAdamS):
                 self._opt.average_params()
+            if self._store is not None:
+                self._store.drain()
             self.stats = {**self._snaps.stats(), "checkpoints": self._store.written if self._store else []}
         self.close()
 
@@ -329,6 +329,8 @@ class ResilientTraining:
         on any other way out (an error) they are dropped, never waited for.
         """
         self._snaps.stop()
+        if self._store is not None:
+            self._store.close()  # the queued checkpoint writes finish
         opt, self._opt = self._opt, None
         if opt is not None:
             if self._finished and hasattr(opt, "close"):
@@ -402,13 +404,8 @@ class ResilientTraining:
         store, every = self._store, self.config.checkpoint_every
         if store is None or not every or step % every:
             return None
-        slot, ws, fingerprint = self.comm.rank, self.comm.world_size, self._fingerprint
         decay = {f"optim/{k}": f for k, f in getattr(self._opt, "checkpoint_decay", dict)().items()}
-
-        def write(data: torch.Tensor) -> None:
-            store.write(step, slot, ws, fingerprint, data, decay)
-
-        return write
+        return store.persister(step, self.comm.rank, self.comm.world_size, self._fingerprint, decay)
 
     def _resume(self) -> int:
         """Start from the newest complete checkpoint (``resume=True``); return its step. Collective."""
@@ -534,6 +531,7 @@ class ResilientTraining:
         t0 = time.time()
         phases: dict[str, float] = {}
         self._snaps.stop()
+        self._stragglers.reset()
         if self._store is not None:
             self._store.forget()  # the first checkpoint after a recovery is full: it builds on no older file
         phases["stop_replication_s"] = time.time() - t0

@@ -57,6 +57,12 @@ class ResilientConfig:
         full_checkpoint_every: Each slot writes a full checkpoint at least every
             this many checkpoints and, between them, only what changed since its
             previous one (lossless; 1: every checkpoint full).
+        straggler_factor: A rank whose compute time (step entry to
+            ``optimizer_step``) stays more than this many times the others'
+            over ``straggler_window`` steps is a straggler (:mod:`optim.step_health`):
+            rank 0 asks the coordinator to replace it by a spare, which happens
+            when a spare is free (hot-swap; a straggler event either way). 0: off.
+        straggler_window: Steps a straggler verdict is judged over (>= 3).
         resume: Start from the newest complete checkpoint in ``checkpoint_dir``
             (the same world size; every member checks every field and digest
             first, and all raise :class:`~optim.checkpoint.CheckpointError` when
@@ -71,6 +77,8 @@ class ResilientConfig:
     checkpoint_every: int = 0
     keep_checkpoints: int = 2
     full_checkpoint_every: int = 8
+    straggler_factor: float = 3.0
+    straggler_window: int = 20
     resume: bool = False
 
     def __post_init__(self) -> None:
@@ -92,6 +100,12 @@ class ResilientConfig:
         full = self.full_checkpoint_every
         if isinstance(full, bool) or not isinstance(full, int) or full < 1:
             raise ValueError(f"full_checkpoint_every: must be an int >= 1, got {full!r}")
+        factor = self.straggler_factor
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (factor == 0 or factor > 1):
+            raise ValueError(f"straggler_factor: must be 0 (off) or > 1, got {factor!r}")
+        window = self.straggler_window
+        if isinstance(window, bool) or not isinstance(window, int) or window < 3:
+            raise ValueError(f"straggler_window: must be an int >= 3, got {window!r}")
         if not isinstance(self.resume, bool):
             raise TypeError(f"resume: must be a bool, got {self.resume!r}")
         if self.checkpoint_dir is None:

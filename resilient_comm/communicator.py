@@ -381,6 +381,22 @@ class FaultAwareCommunicator(BaseCommunicator):
             promoted_here=self._m.index in view.promoted.values(),
         )
 
+    def report_straggler(self, rank: int, reason: str) -> None:
+        """Ask the coordinator to replace the member at ``rank`` by a spare, if one is free.
+
+        Not collective (one rank asking is enough). The coordinator replaces
+        it only under hot-swap with a live spare: then the current epoch is
+        aborted as for a failure, and the replaced process gets
+        :class:`StaleEpochError` at its next reconfiguration.
+
+        Raises:
+            ValueError: ``rank`` is not a rank of the current epoch.
+        """
+        view = self._view
+        if view is None or isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < view.world_size:
+            raise ValueError(f"rank: not a rank of the current epoch: {rank!r}")
+        self._m.evict(view.epoch, view.members[rank], reason)
+
     def commit(self, step: int, ok: bool = True, timeout: timedelta | None = None) -> bool:
         """The step-commit vote: ``True`` on every member, or ``False`` on every member.
 

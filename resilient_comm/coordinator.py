@@ -327,14 +327,38 @@ class Coordinator:
             try:
                 rec = decode_json(store.get(keys.suspect(i)), "suspicion record")
                 epoch, member = int(rec["epoch"]), int(rec["member"])
+                evict = None if rec.get("evict") is None else int(rec["evict"])
             except (ValueError, KeyError, TypeError) as exc:
                 logger.warning("ignoring suspicion %d: %s", i, exc)
+                continue
+            if evict is not None:
+                self._on_evict(epoch, evict, str(rec.get("reason", "")))
                 continue
             view = self.view
             slot = view.slot_of(member) if view is not None else None
             self.log.emit("failure_suspected", epoch=epoch, slot=slot, member=member, reason=str(rec.get("reason", "")))
             if view is not None and epoch == view.epoch:
                 self._suspected.add(epoch)
+
+    def _on_evict(self, epoch: int, member: int, reason: str) -> None:
+        """A member asks for ``member`` of ``epoch`` to be replaced (a straggler): only by a live spare."""
+        view = self.view
+        if view is None or epoch != view.epoch or member not in view.members or member in self._dead:
+            return
+        with self._lock:
+            replace = self.config.mode == "hotswap" and bool(self._spares)
+        info = self._members.get(member)
+        self.log.emit(
+            "straggler_detected",
+            epoch=epoch,
+            slot=view.slot_of(member),
+            pid=info.pid if info else None,
+            member=member,
+            replaced=replace,
+            reason=reason,
+        )
+        if replace:
+            self._mark_dead(member, "straggler")
 
     def _on_exit(self, pid: int, code: int) -> None:
         match = [i for i, info in self._members.items() if info.pid == pid]

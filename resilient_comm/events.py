@@ -49,6 +49,7 @@ EVENTS = (
     "failure_suspected",
     "failure_detected",
     "stall_suspected",
+    "straggler_detected",
     "epoch_proposed",
     "epoch_configured",
     "spare_promoted",

@@ -192,6 +192,15 @@ class StoreMembership:
         except Exception as exc:  # noqa: BLE001 - the coordinator also sees exits and heartbeats
             logger.warning("could not report a failure of epoch %d: %s", epoch, exc)
 
+    def evict(self, epoch: int, member: int, reason: str) -> None:
+        """Ask the coordinator to replace ``member`` of ``epoch`` by a spare (a straggler); it decides."""
+        try:
+            n = int(self._store.add(keys.SUSPECT_NEXT, 1)) - 1
+            rec = {"member": self.index, "epoch": epoch, "reason": reason[:500], "evict": int(member)}
+            self._store.set(keys.suspect(n), json.dumps(rec))
+        except Exception as exc:  # noqa: BLE001 - a lost request only keeps the straggler
+            logger.warning("could not ask for the eviction of member %d: %s", member, exc)
+
     def configured(self, epoch: int) -> None:
         """Tell the coordinator this member built ``epoch``'s transport."""
         self._store.set(keys.configured(epoch, self.index), "1")
