@@ -191,7 +191,7 @@ def test_train_command_checkpoints_and_resumes(tmp_path: Path) -> None:
     _train(
         tmp_path / "first", "--steps", "20", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "10", "--keep", "1"
     )
-    assert [p.name for p in sorted(ckpt.iterdir())] == ["step-000000020"]
+    assert [p.name for p in sorted(ckpt.iterdir())] == ["step-000000020", "train.json"]  # dense: full files
     resumed = _train(
         tmp_path / "second", "--steps", "30", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "10", "--resume"
     )
