@@ -12,9 +12,10 @@ resilient train job (:func:`optim.train_job.resilient.run_resilient_training`,
 From the first run's files it reports, per slot file, the bytes of full and
 of delta files (``delta_ratio`` = median full / median delta, what a delta
 saves losslessly) and the bytes written per checkpoint on average; from its
-workers, the median time of one write on the replication thread
+workers, the median wall time of one write on the writer thread
 (``write_ms_full`` / ``write_ms_delta``: encode, write, ``fsync``, rename,
-retention); and, in this process, the time to restore the newest step of
+retention; the thread runs at nice 19, so this is mostly time it waited for
+a core); and, in this process, the time to restore the newest step of
 every slot, chain of deltas included (``restore_ms``; ``restore_ms_full``:
 one full file).
 

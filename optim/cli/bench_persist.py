@@ -31,7 +31,8 @@ def format_persist_table(bench: dict[str, Any]) -> str:
         f"{c['full_every']} checkpoints of a slot, deltas between (lossless)",
         "# full_KB / delta_KB: median bytes of one slot's file; ratio = full / delta; per_ckpt_KB: bytes written "
         "per checkpoint (all slots) / the same if every file were full",
-        "# write_ms: one slot file encoded + written + fsync-ed on a worker's replication thread (median); "
+        "# write_ms: one slot file encoded + written + fsync-ed on a worker's writer thread (nice 19: wall time "
+        "while the ranks keep the cores; median); "
         "restore_ms: the "
         "newest step read back, its chain of deltas applied and decoded (worst slot; chain = files read)",
         f"# overhead: mean step time with checkpoints / without - 1 (two runs, steps > {c['skip_steps']}); "
