@@ -8,8 +8,8 @@ from typing import Any
 
 from bindings.spawn import LocalRunError
 from optim.benchmarks.checkpoint import RECOVERY_PHASES, CheckpointBenchConfig, run_checkpoint_bench
-from optim.benchmarks.output import write_bench_json
 from optim.cli.bench_persist import add_persist_arguments, run_persist_command
+from optim.cli.options import or_dash, run_bench
 
 __all__ = ["add_checkpoint_parser", "format_checkpoint_table"]
 
@@ -23,10 +23,6 @@ _RECOVERY_LABELS = {
     "resume_s": "resume",
     "total_s": "total",
 }
-
-
-def _f(v: float | None, fmt: str) -> str:
-    return "-" if v is None else format(v, fmt)
 
 
 def format_checkpoint_table(bench: dict[str, Any]) -> str:
@@ -51,7 +47,7 @@ def format_checkpoint_table(bench: dict[str, Any]) -> str:
         pv = r.get("overhead_paired_median")
         lines.append(
             f"{r['name']:>11} {r['model']:>7} {r['num_parameters']:>9} {r['steps_on']:>4} {r['steps_off']:>5} "
-            f"{_f(r['step_ms_off'], '.1f'):>11} {_f(r['step_ms_on'], '.1f'):>10} "
+            f"{or_dash(r['step_ms_off'], '.1f'):>11} {or_dash(r['step_ms_on'], '.1f'):>10} "
             f"{'-' if ov is None else f'{100 * ov:+.1f}%':>8} {'-' if pv is None else f'{100 * pv:+.1f}%':>7} "
             f"{r['snapshot_ms_median']:>7.2f} "
             f"{r['own_ring_bytes'] / 1e6:>7.2f} {r['ward_ring_bytes'] / 1e6:>7.2f} "
@@ -67,7 +63,12 @@ def format_checkpoint_table(bench: dict[str, Any]) -> str:
     lines.append(" ".join(f"{h:>9}" for h in cols))
     for r in bench["rows"]:
         rec = r["recovery"]
-        cells = [r["name"], r["model"], *(_f(rec.get(p), ".3f") for p in RECOVERY_PHASES), _f(rec.get("gap_s"), ".3f")]
+        cells = [
+            r["name"],
+            r["model"],
+            *(or_dash(rec.get(p), ".3f") for p in RECOVERY_PHASES),
+            or_dash(rec.get("gap_s"), ".3f"),
+        ]
         cells += [str(rec.get("restore_step", "-")), str(rec.get("steps_recomputed", "-"))]
         lines.append(" ".join(f"{x:>9}" for x in cells))
         if not rec.get("ok"):
@@ -137,20 +138,21 @@ def _cmd_checkpoint(args: argparse.Namespace) -> int:
         ov = row["overhead_fraction"]
         rec = row["recovery"]
         print(
-            f"  {row['name']} {row['model']}: step {_f(row['step_ms_off'], '.1f')} ms off / "
-            f"{_f(row['step_ms_on'], '.1f')} ms on ({'-' if ov is None else f'{100 * ov:+.1f}%'}); "
-            f"recovery {_f(rec.get('total_s'), '.2f')} s",
+            f"  {row['name']} {row['model']}: step {or_dash(row['step_ms_off'], '.1f')} ms off / "
+            f"{or_dash(row['step_ms_on'], '.1f')} ms on ({'-' if ov is None else f'{100 * ov:+.1f}%'}); "
+            f"recovery {or_dash(rec.get('total_s'), '.2f')} s",
             flush=True,
         )
 
-    try:
-        bench = run_checkpoint_bench(config, on_row=progress)
-    except (RuntimeError, LocalRunError) as exc:
-        print(f"sparsecomm bench checkpoint: error: {exc}", file=sys.stderr)
+    bench = run_bench(
+        "checkpoint",
+        lambda: run_checkpoint_bench(config, on_row=progress),
+        format_checkpoint_table,
+        args.json,
+        (RuntimeError, LocalRunError),
+    )
+    if bench is None:
         return 1
-    print(format_checkpoint_table(bench))
-    if args.json:
-        print(f"wrote {write_bench_json(args.json, bench)}")
     bad = [r["name"] + " " + r["model"] for r in bench["rows"] if not r["recovery"].get("ok")]
     if bad:
         print(f"sparsecomm bench checkpoint: no recovery measured for {', '.join(bad)}", file=sys.stderr)

@@ -3,19 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
 from bindings.spawn import LocalRunError
-from optim.benchmarks.output import write_bench_json
 from optim.benchmarks.persist import PersistBenchConfig, run_persist_bench
-from optim.cli.options import densities_arg
+from optim.cli.options import densities_arg, or_dash, run_bench
 
 __all__ = ["add_persist_arguments", "format_persist_table", "run_persist_command"]
-
-
-def _f(v: float | None, fmt: str) -> str:
-    return "-" if v is None else format(v, fmt)
 
 
 def _pct(v: float | None) -> str:
@@ -46,9 +40,10 @@ def format_persist_table(bench: dict[str, Any]) -> str:
         bf, bd = r["bytes_full"], r["bytes_delta"]
         per = f"{r['bytes_per_checkpoint'] / 1e3:.0f} / {r['bytes_per_checkpoint_all_full'] / 1e3:.0f}"
         lines.append(
-            f"{r['name']:>11} {_f(None if bf is None else bf / 1e3, '.0f'):>9} "
-            f"{_f(None if bd is None else bd / 1e3, '.1f'):>9} {_f(r['delta_ratio'], '.1f'):>6} {per:>19} "
-            f"{_f(r['write_ms_full'], '.1f'):>10} {_f(r['write_ms_delta'], '.1f'):>11} {r['restore_ms']:>8.1f} "
+            f"{r['name']:>11} {or_dash(None if bf is None else bf / 1e3, '.0f'):>9} "
+            f"{or_dash(None if bd is None else bd / 1e3, '.1f'):>9} {or_dash(r['delta_ratio'], '.1f'):>6} {per:>19} "
+            f"{or_dash(r['write_ms_full'], '.1f'):>10} {or_dash(r['write_ms_delta'], '.1f'):>11} "
+            f"{r['restore_ms']:>8.1f} "
             f"{r['chain_files']:>5} {r['restore_ms_full']:>12.1f} {r['step_ms_without']:>8.1f} "
             f"{_pct(r['overhead_fraction']):>9} {_pct(r['overhead_in_run']):>8} {str(r['losses_agree']):>11}"
         )
@@ -94,17 +89,17 @@ def run_persist_command(args: argparse.Namespace) -> int:
 
     def progress(row: dict[str, Any]) -> None:
         print(
-            f"  {row['name']}: full {_f(row['bytes_full'], '.0f')} B, delta {_f(row['bytes_delta'], '.0f')} B, "
+            f"  {row['name']}: full {or_dash(row['bytes_full'], '.0f')} B, "
+            f"delta {or_dash(row['bytes_delta'], '.0f')} B, "
             f"overhead {_pct(row['overhead_fraction'])}",
             flush=True,
         )
 
-    try:
-        bench = run_persist_bench(config, on_row=progress)
-    except (RuntimeError, LocalRunError) as exc:
-        print(f"sparsecomm bench checkpoint: error: {exc}", file=sys.stderr)
-        return 1
-    print(format_persist_table(bench))
-    if args.json:
-        print(f"wrote {write_bench_json(args.json, bench)}")
-    return 0
+    bench = run_bench(
+        "checkpoint",
+        lambda: run_persist_bench(config, on_row=progress),
+        format_persist_table,
+        args.json,
+        (RuntimeError, LocalRunError),
+    )
+    return 0 if bench is not None else 1

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
-from optim.benchmarks.output import write_bench_json
 from optim.benchmarks.recovery import PHASES, RecoveryBenchConfig, run_recovery_bench
+from optim.cli.options import run_bench
 
 __all__ = ["add_recovery_parser", "format_recovery_table"]
 
@@ -54,15 +53,14 @@ def _cmd_recovery(args: argparse.Namespace) -> int:
         phases = ", ".join(f"{p}={run[p]:.3f}" for p in PHASES if run.get(p) is not None)
         print(f"  {run.get('system', 'sparsecomm')} n={run['nproc']} {run['fault']}: {phases}", flush=True)
 
-    try:
-        bench = run_recovery_bench(config, torchft=args.torchft, on_run=progress)
-    except (RuntimeError, TimeoutError) as exc:
-        print(f"sparsecomm bench recovery: error: {exc}", file=sys.stderr)
-        return 1
-    print(format_recovery_table(bench))
-    if args.json:
-        print(f"wrote {write_bench_json(args.json, bench)}")
-    return 0
+    bench = run_bench(
+        "recovery",
+        lambda: run_recovery_bench(config, torchft=args.torchft, on_run=progress),
+        format_recovery_table,
+        args.json,
+        (RuntimeError, TimeoutError),
+    )
+    return 0 if bench is not None else 1
 
 
 def add_recovery_parser(inner: Any) -> None:

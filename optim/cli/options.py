@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Callable
 from typing import Any
 
+from optim.benchmarks.output import write_bench_json
 from optim.local import LOCAL_SCHEDULES, NORMALIZERS
 from optim.scape import MASK_SCORES, UNSELECTED_POLICIES
 from optim.train_job.tasks import ARCHS, CORPORA, TASKS
@@ -116,3 +119,27 @@ def scape_settings(args: argparse.Namespace) -> dict[str, Any]:
         "mask_score": args.mask_score,
         "explore": args.explore,
     }
+
+
+def or_dash(v: float | None, fmt: str) -> str:
+    """``v`` formatted with ``fmt``, or ``-`` for a missing value (table cells)."""
+    return "-" if v is None else format(v, fmt)
+
+
+def run_bench(
+    command: str,
+    run: Callable[[], dict[str, Any]],
+    table: Callable[[dict[str, Any]], str],
+    json_path: str | None,
+    errors: tuple[type[BaseException], ...] = (RuntimeError,),
+) -> dict[str, Any] | None:
+    """Run a benchmark, print its table and write its JSON; ``None`` (after printing why) when it fails."""
+    try:
+        bench = run()
+    except errors as exc:
+        print(f"sparsecomm bench {command}: error: {exc}", file=sys.stderr)
+        return None
+    print(table(bench))
+    if json_path:
+        print(f"wrote {write_bench_json(json_path, bench)}")
+    return bench

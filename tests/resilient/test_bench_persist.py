@@ -1,0 +1,39 @@
+"""``sparsecomm bench checkpoint --persistent``: the rows measure what they say, on a tiny model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from optim.benchmarks.persist import PersistBenchConfig, run_persist_bench
+from optim.cli.bench_persist import format_persist_table
+
+pytestmark = pytest.mark.dist
+
+
+@pytest.mark.timeout(400)
+def test_persist_bench_rows(tmp_path: Path) -> None:
+    config = PersistBenchConfig(
+        densities=(0.01,), d_model=32, n_layers=1, steps=31, every=5, full_every=4, nproc=2, skip_steps=5,
+        batch=4, context=32, out=str(tmp_path),
+    )  # fmt: skip
+    bench = run_persist_bench(config)
+    scape, dense = bench["rows"]
+    assert [scape["name"], dense["name"]] == ["scape-0.01", "adams"]
+    for row in (scape, dense):
+        assert row["losses_agree"], row  # checkpoints change nothing of the training
+        assert row["checkpoints"] == 6 and row["write_ms_full"] > 0 and row["restore_ms"] > 0
+    # SCAPE: a full file every 4 checkpoints of a slot, deltas between, far smaller; dense AdamS: no deltas
+    assert scape["files_full"] == 2 * 2 and scape["files_delta"] == 2 * 4
+    assert scape["delta_ratio"] > 5 and scape["chain_files"] == 2
+    assert dense["files_delta"] == 0 and dense["delta_ratio"] is None
+    table = format_persist_table(bench)
+    assert "scape-0.01" in table and "adams" in table
+
+
+def test_persist_bench_refuses_bad_settings() -> None:
+    with pytest.raises(ValueError, match="steps"):
+        PersistBenchConfig(steps=10, every=10)
+    with pytest.raises(ValueError, match="densities"):
+        PersistBenchConfig(densities=(1.5,))
