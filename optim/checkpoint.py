@@ -186,9 +186,9 @@ class CheckpointStore:
                 if item is None:
                     return
                 self.write(*item)
-            except CheckpointError as exc:
-                self.error = str(exc)
-                logger.warning("checkpoint write failed: %s", exc)
+            except Exception as exc:  # noqa: BLE001 - kept for the trainer, which ends the run on every rank
+                self.error = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+                logger.warning("checkpoint write failed: %s", self.error)
             finally:
                 q.task_done()
 

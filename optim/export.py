@@ -21,9 +21,9 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.distributed as tdist
 
 import sparsecomm.distributed as dist
+from bindings.store import open_store
 from optim.checkpoint import CheckpointError, CheckpointStore, export_state_dict, model_fingerprint, read_newest
 from optim.local import LocalAdamS, ReplicatedAdamS
 from optim.reshard import gather_full_state, restore_resharded
@@ -62,7 +62,8 @@ def export_checkpoint(
         raise CheckpointError(f"export: no checkpoint directory {store.path}")
     if dist.is_initialized():
         raise RuntimeError("export_checkpoint: run it in a process without a default group")
-    dist.init_process_group("gloo", store=tdist.HashStore(), world_size=1, rank=0, timeout=timedelta(minutes=5))
+    rendezvous = open_store("127.0.0.1", 0, server=True, timeout=timedelta(minutes=5))  # this process alone
+    dist.init_process_group("gloo", store=rendezvous, world_size=1, rank=0, timeout=timedelta(minutes=5))
     opt: torch.optim.Optimizer | None = None
     try:
         opt = optimizer(model)

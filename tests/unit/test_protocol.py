@@ -24,8 +24,9 @@ from resilient_comm.ulfm import UlfmCommunicator
 IMPLEMENTATIONS = (FaultAwareCommunicator, UlfmCommunicator)
 #: Public members only one implementation has, and why.
 OWN_MEMBERS = {
-    # the coordinator's view, the store registration and the second transport per epoch
-    FaultAwareCommunicator: {"view", "membership", "side_channel"},
+    # the coordinator's view, the store registration, the second transport per epoch, and asking the
+    # coordinator (which holds the spares) to replace a straggler
+    FaultAwareCommunicator: {"view", "membership", "side_channel", "report_straggler"},
     # the configured reconfiguration mode, and the name of connect that says what it is collective over
     UlfmCommunicator: {"mode", "from_world"},
 }
