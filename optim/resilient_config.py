@@ -48,8 +48,8 @@ class ResilientConfig:
             raises :class:`BadStepsError`. 0: the first one raises.
         checkpoint_dir: Also write persistent checkpoints there
             (:mod:`optim.checkpoint`): every ``checkpoint_every`` committed
-            steps, each slot writes the snapshot it already took, on the
-            replication thread, atomically; the newest ``keep_checkpoints``
+            steps, each slot writes the snapshot it already took, on a
+            background writer thread, atomically; the newest ``keep_checkpoints``
             complete steps are kept. Needs ``snapshots``.
         checkpoint_every: Committed steps between persistent checkpoints (> 0
             with ``checkpoint_dir``).
