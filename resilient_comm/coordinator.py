@@ -73,6 +73,10 @@ class CoordinatorConfig:
             silence alone would leave no majority (see step 3 above); after it the
             job fails with a clear error, it never hangs.
         start_timeout: How long to wait for the first ``world_size`` members.
+        spares: Spares started with the job (by the launcher): the first epoch
+            waits for them to register as well, up to ``spare_wait``, so that a
+            failure in the first steps finds them (a hot-swap, not a shrink).
+        spare_wait: How long the first epoch waits for those spares.
         poll_interval: Period of the control loop.
         events: File for the JSON-lines event log (``None``: memory only).
     """
@@ -88,10 +92,14 @@ class CoordinatorConfig:
     configure_timeout: timedelta = timedelta(seconds=30)
     stall_grace: timedelta = timedelta(seconds=20)
     start_timeout: timedelta = timedelta(seconds=120)
+    spares: int = 0
+    spare_wait: timedelta = timedelta(seconds=30)
     poll_interval: timedelta = timedelta(milliseconds=10)
     events: str | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.spares, bool) or not isinstance(self.spares, int) or self.spares < 0:
+            raise ValueError(f"spares: must be an int >= 0, got {self.spares!r}")
         for name in ("world_size", "min_world_size"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -110,6 +118,7 @@ class CoordinatorConfig:
             "configure_timeout",
             "stall_grace",
             "start_timeout",
+            "spare_wait",
             "poll_interval",
         ):
             v = getattr(self, name)
@@ -243,7 +252,7 @@ class Coordinator:
             self._refresh()
             view = self.view
             if view is None:
-                self._maybe_start()
+                self._maybe_start(time.monotonic() - started)
                 if self.view is None and time.monotonic() - started > self.config.start_timeout.total_seconds():
                     raise _JobFailed(f"only {self._live_actives()} of {self.config.world_size} members registered")
             elif not self._shutdown and (any(m in self._dead for m in view.members) or view.epoch in self._suspected):
@@ -440,11 +449,14 @@ class Coordinator:
         )
 
     # ------------------------------------------------------------------ epochs
-    def _maybe_start(self) -> None:
+    def _maybe_start(self, waited_s: float) -> None:
         n = self.config.world_size
         actives = [i for i, m in sorted(self._members.items()) if m.role == "active" and i not in self._dead]
         if len(actives) < n:
             return
+        spares = sum(1 for i, m in self._members.items() if m.role == "spare" and i not in self._dead)
+        if spares < self.config.spares and waited_s < self.config.spare_wait.total_seconds():
+            return  # the job's own spares are still starting
         slots: list[int | None] = [None] * n
         rest = []
         for i in actives:

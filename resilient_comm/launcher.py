@@ -90,6 +90,7 @@ class LaunchConfig:
             heartbeat_timeout=self.heartbeat_timeout,
             ack_timeout=self.heartbeat_timeout,
             stall_grace=self.stall_grace,
+            spares=self.spares,
             events=self.events,
             **kw,
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -117,3 +118,32 @@ def test_pid_of_slot_and_concurrent_reconfigure() -> None:
             c.close()
         coord.shutdown()
         coord.stop()
+
+
+@pytest.mark.timeout(60)
+def test_the_first_epoch_waits_for_the_jobs_spares() -> None:
+    """With ``spares=1`` the first epoch forms only once the spare registered (or after ``spare_wait``)."""
+    coord = Coordinator(CoordinatorConfig(world_size=1, spares=1, spare_wait=timedelta(seconds=30)))
+    coord.start()
+    members = []
+    try:
+        members.append(StoreMembership(coord.address, coord.job, slot=0))
+        time.sleep(0.5)
+        assert coord.view is None  # the active member alone: not yet
+        members.append(StoreMembership(coord.address, coord.job, role="spare"))
+        wait_until(lambda: coord.view is not None, 10, "the first epoch")
+        assert coord.spares() == [members[1].index]
+    finally:
+        for m in members:
+            m.leave()
+        coord.stop()
+    late = Coordinator(CoordinatorConfig(world_size=1, spares=1, spare_wait=timedelta(seconds=1)))
+    late.start()
+    try:
+        alone = StoreMembership(late.address, late.job, slot=0)
+        wait_until(lambda: late.view is not None, 10, "the first epoch without its spare")  # after spare_wait
+        alone.leave()
+    finally:
+        late.stop()
+    with pytest.raises(ValueError, match="spares"):
+        CoordinatorConfig(world_size=1, spares=-1)
