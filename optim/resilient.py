@@ -416,9 +416,10 @@ class ResilientTraining:
     def _load_checkpoint(self) -> int:
         """Load the newest complete checkpoint on every member; return its step. Collective.
 
-        A checkpoint of another world size is re-sharded (at a resume only; a
-        recovery keeps the world size): the sharded optimizers' state is
-        assembled from every old slot's file and cut for the new layout
+        A checkpoint of another world size is re-sharded (a resume on another
+        number of workers, or a shrink that lost every in-memory copy of a
+        slot): the sharded optimizers' state is assembled from every old
+        slot's file and cut for the new layout
         (SCAPE makes its masks again from it, as a shrink does); a replica
         (LocalAdamS, TopKAdamS, plain torch optimizers) and the model's
         buffers, RNG and history come from old slot ``rank % old world``.
@@ -541,7 +542,7 @@ class ResilientTraining:
             plan, old_slot = self._snaps.agree(change, self.config.snapshots)
         except UnrecoverableStateError as exc:
             # no copy of some slot is left in memory: the newest persistent checkpoint every slot has
-            if self._store is None or shrunk:
+            if self._store is None:
                 raise
             logger.warning("%s: restoring the newest complete checkpoint in %s", exc, self._store.path)
             restore_step = self._load_checkpoint()

@@ -332,6 +332,37 @@ def test_buddy_and_ward_lost_together_falls_back_to_disk(tmp_path: Path, referen
     assert run["losses"] == ref["losses"] and run["params_digest"] == ref["params_digest"]
 
 
+@pytest.mark.timeout(300)
+def test_buddy_and_ward_lost_together_without_spares_shrinks_from_disk(tmp_path: Path, reference) -> None:
+    """No spare: the three survivors restore the newest complete checkpoint of five slots, re-sharded onto three."""
+    config = _config("scape", nproc=5)
+    ckpt = tmp_path / "ckpt"
+    job = _Job(tmp_path, config, _res(spares=0, checkpoint_dir=str(ckpt), checkpoint_every=4))
+
+    def slot_pids() -> dict[int, int] | None:
+        joined = {e["rank"]: e["pid"] for e in job.events("joined")}
+        return joined if len(joined) == config.nproc else None
+
+    pids = wait_until(slot_pids, 180, "every worker to join")
+    wait_until(lambda: any(e["step"] >= 10 for e in job.events("committed")), 120, "step 10", interval=0.001)
+    os.kill(pids[1], signal.SIGKILL)
+    os.kill(pids[2], signal.SIGKILL)
+    run = job.join(240)
+    assert run["status"] == 0, _tail(run)
+    restores = [e for e in run["events"] if e["event"] == "restored"]
+    assert restores and all(e["from_disk"] and e["world_size"] == 3 for e in restores), _tail(run)
+    restored = {e["restore_step"] for e in restores}
+    assert len(restored) == 1 and restored <= {8, 12}, restored
+    step = restored.pop()
+    ref = reference(config)
+    assert sorted(run["losses"]) == list(range(1, STEPS + 1)), "a committed step is missing"
+    assert {s: v for s, v in run["losses"].items() if s <= step} == {s: ref["losses"][s] for s in range(1, step + 1)}
+    later = [run["losses"][s] for s in range(step + 1, STEPS + 1)]
+    assert all(math.isfinite(v) and v < run["losses"][1] for v in later), later  # it trains on, on three
+    assert {r["world_size"] for r in run["results"].values()} == {3}
+    assert run["digests_agree"]
+
+
 @pytest.mark.timeout(240)
 def test_buddy_and_ward_lost_together_stops_the_job(tmp_path: Path) -> None:
     """Slots 1 and 2 die at once: slot 1's state lived on 1 (own) and 2 (its buddy): the job must stop, loudly.
