@@ -19,6 +19,14 @@ the last full file is applied. A slot writes a full file at least every
 ``full_every`` checkpoints (and whenever a delta would not be at most half
 the size of the full payload, or it has no previous checkpoint of the same
 layout to build on), so restoring reads at most ``full_every`` files.
+With ``lossy``, a full file stores the first moment in bfloat16
+(:mod:`optim.lossy`, header ``kind: "lossy"``); the deltas after it stay
+the lossless ones between the exact snapshots, and every file's
+``full_sha256`` is that of what a restore rebuilds (the writer applies each
+delta to its own copy of the lossy state to know it), so a restore is
+checked as strictly as a lossless one, and differs from the training state
+only by the rounding of first-moment values the optimizer has not changed
+since the lossy file.
 Every file is written to a temporary name, flushed, ``fsync``-ed and renamed
 into place (then its directory is ``fsync``-ed): a crash mid-write leaves no
 file under the final name. A step is *complete* when every slot of its world
@@ -44,7 +52,7 @@ import re
 import shutil
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +60,7 @@ from typing import Any
 import torch
 
 import sparsecomm.distributed as dist
+from optim import lossy
 from optim.delta import apply_delta, encode_delta
 from optim.snapshot import decode_tree, tensor_layout
 
@@ -85,7 +94,8 @@ class _Header:
     fingerprint: str
     nbytes: int
     sha256: str
-    base: int | None  # a delta's base step (None: a full file)
+    kind: str  # full, lossy or delta
+    base: int | None  # a delta's base step (None: a full or lossy file)
     full_nbytes: int
     full_sha256: str
 
@@ -98,20 +108,28 @@ class CheckpointStore:
         keep: Complete steps to keep (>= 1).
         full_every: A slot writes a full file at least every this many checkpoints,
             deltas between (1: every file full).
+        lossy: Store the first moment (the paths a write names) of full files in
+            bfloat16 (:mod:`optim.lossy`): resumes are then close, not bit-identical.
 
     Raises:
         CheckpointError: ``keep`` or ``full_every`` < 1.
     """
 
-    def __init__(self, path: str | os.PathLike[str], keep: int = 2, full_every: int = 8) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], keep: int = 2, full_every: int = 8, *, lossy: bool = False
+    ) -> None:
         for name, v in (("keep", keep), ("full_every", full_every)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise CheckpointError(f"{name}: must be an int >= 1, got {v!r}")
+        if not isinstance(lossy, bool):
+            raise CheckpointError(f"lossy: must be a bool, got {lossy!r}")
         self.path = Path(path)
         self.keep = keep
         self.full_every = full_every
-        # per slot: (step, world size, fingerprint, payload, deltas since the last full file) of its last write
-        self._last: dict[int, tuple[int, int, str, bytes, int]] = {}
+        self.lossy = lossy
+        # per slot, of its last write: step, world size, fingerprint, payload, deltas since the last full
+        # file, and what a restore of it rebuilds (None: the payload itself)
+        self._last: dict[int, tuple[int, int, str, bytes, int, bytes | None]] = {}
         self.written: list[dict[str, Any]] = []  # step, slot, kind, bytes, seconds of every file written here
         self.error: str | None = None
         """Why the last background write failed (``None``: none failed)."""
@@ -125,12 +143,19 @@ class CheckpointStore:
 
     # ------------------------------------------------------------------ background writes
     def persister(
-        self, step: int, slot: int, world_size: int, fingerprint: str, decay: Mapping[str, float] | None = None
+        self,
+        step: int,
+        slot: int,
+        world_size: int,
+        fingerprint: str,
+        decay: Mapping[str, float] | None = None,
+        first_moment: Collection[str] = (),
     ) -> Callable[[torch.Tensor], None]:
         """What hands the snapshot of ``step`` (encoded bytes) to the background writer (:meth:`submit`)."""
 
         def persist(data: torch.Tensor) -> None:
-            self.submit(step, slot, world_size, fingerprint, data.detach().reshape(-1).numpy().tobytes(), decay)
+            payload = data.detach().reshape(-1).numpy().tobytes()
+            self.submit(step, slot, world_size, fingerprint, payload, decay, first_moment)
 
         return persist
 
@@ -142,6 +167,7 @@ class CheckpointStore:
         fingerprint: str,
         payload: bytes,
         decay: Mapping[str, float] | None = None,
+        first_moment: Collection[str] = (),
     ) -> None:
         """Queue a :meth:`write` for the writer thread; a failure lands in :attr:`error`, never raised here.
 
@@ -155,7 +181,7 @@ class CheckpointStore:
             self._thread = threading.Thread(target=self._run, name="sparsecomm-checkpoint-writer", daemon=True)
             self._thread.start()
         assert self._queue is not None
-        self._queue.put((step, slot, world_size, fingerprint, payload, decay))
+        self._queue.put((step, slot, world_size, fingerprint, payload, decay, first_moment))
 
     def drain(self, timeout: float = 600.0) -> bool:
         """Wait until every submitted write finished (written or failed); ``False`` at the deadline."""
@@ -225,13 +251,15 @@ class CheckpointStore:
         fingerprint: str,
         payload: torch.Tensor | bytes,
         decay: Mapping[str, float] | None = None,
+        first_moment: Collection[str] = (),
     ) -> Path:
         """Write one slot's snapshot of ``step`` atomically, then drop what retention no longer keeps.
 
         ``decay``: paths in the snapshot tree (``"optim/shard/exp_avg"``) of
         float32 tensors that the optimizer multiplies by a factor in every step
         wherever it does nothing else; a delta predicts them so
-        (:mod:`optim.delta`), which only changes its size.
+        (:mod:`optim.delta`), which only changes its size. ``first_moment``:
+        the paths a ``lossy`` store keeps in bfloat16 in full files.
 
         Raises:
             CheckpointError: The file could not be written (the final name then does not exist).
@@ -239,7 +267,7 @@ class CheckpointStore:
         t0 = time.perf_counter()
         full = payload if isinstance(payload, bytes) else payload.detach().reshape(-1).to(torch.uint8).numpy().tobytes()
         prev = self._last.pop(slot, None)
-        data, base, chain = full, None, 0
+        data, base, chain, kind, rebuilt = full, None, 0, "full", None
         if (
             prev is not None
             and prev[1:3] == (world_size, fingerprint)
@@ -253,7 +281,16 @@ class CheckpointStore:
             except ValueError:  # not a snapshot encoding: nothing to line up, a full file
                 delta = None
             if delta is not None:
-                data, base, chain = delta, prev[0], prev[4] + 1
+                data, base, chain, kind = delta, prev[0], prev[4] + 1, "delta"
+                rebuilt = None if prev[5] is None else apply_delta(prev[5], delta)  # on the lossy base
+        if base is None and self.lossy and first_moment:
+            try:
+                packed = lossy.pack(full, first_moment)
+            except ValueError:  # not a snapshot encoding: written as it is
+                packed = None
+            if packed is not None:
+                data, kind, rebuilt = packed, "lossy", lossy.unpack(packed)
+        restores = full if rebuilt is None else rebuilt
         header = json.dumps(
             {
                 "format": FORMAT,
@@ -263,10 +300,10 @@ class CheckpointStore:
                 "fingerprint": fingerprint,
                 "nbytes": len(data),
                 "sha256": hashlib.sha256(data).hexdigest(),
-                "kind": "full" if base is None else "delta",
+                "kind": kind,
                 "base": base,
-                "full_nbytes": len(full),
-                "full_sha256": hashlib.sha256(full).hexdigest() if base is not None else None,
+                "full_nbytes": len(restores),
+                "full_sha256": hashlib.sha256(restores).hexdigest() if kind != "full" else None,
             }
         ).encode()
         final = self.slot_file(step, slot)
@@ -285,8 +322,7 @@ class CheckpointStore:
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             raise CheckpointError(f"checkpoint of step {step}, slot {slot}: cannot write {final}: {exc}") from exc
-        self._last[slot] = (step, world_size, fingerprint, full, chain)
-        kind = "full" if base is None else "delta"
+        self._last[slot] = (step, world_size, fingerprint, full, chain, rebuilt)
         self.written.append(
             {"step": step, "slot": slot, "kind": kind, "bytes": len(data), "seconds": time.perf_counter() - t0}
         )
@@ -379,6 +415,14 @@ class CheckpointStore:
             raise CheckpointError(f"{path}: truncated ({len(data)} of {header.nbytes} payload bytes)")
         if hashlib.sha256(data).hexdigest() != header.sha256:
             raise CheckpointError(f"{path}: corrupted (the payload's sha256 does not match its header)")
+        if header.kind == "lossy":
+            try:
+                full = lossy.unpack(data)
+            except ValueError as exc:
+                raise CheckpointError(f"{path}: {exc}") from exc
+            if len(full) != header.full_nbytes or hashlib.sha256(full).hexdigest() != header.full_sha256:
+                raise CheckpointError(f"{path}: its first moment, widened again, does not match its sha256")
+            return full
         if header.base is None:
             return data
         if not 0 <= header.base < step or depth >= self.full_every + 64:
@@ -405,7 +449,7 @@ class CheckpointStore:
             "slot": h.slot,
             "world_size": h.world_size,
             "fingerprint": h.fingerprint,
-            "kind": "full" if h.base is None else "delta",
+            "kind": h.kind,
             "base": h.base,
             "bytes": path.stat().st_size,
             "full_bytes": h.full_nbytes,
@@ -442,6 +486,10 @@ class CheckpointStore:
             h = json.loads(raw)
             if h.get("format") != FORMAT:
                 raise CheckpointError(f"{path}: format {h.get('format')!r}, expected {FORMAT}")
+            base = None if h.get("base") is None else int(h["base"])
+            kind = str(h.get("kind", "full" if base is None else "delta"))
+            if kind not in ("full", "lossy", "delta") or (kind == "delta") != (base is not None):
+                raise CheckpointError(f"{path}: corrupted header (kind {kind!r}, base {base!r})")
             header = _Header(
                 step=int(h["step"]),
                 slot=int(h["slot"]),
@@ -449,7 +497,8 @@ class CheckpointStore:
                 fingerprint=str(h["fingerprint"]),
                 nbytes=int(h["nbytes"]),
                 sha256=str(h["sha256"]),
-                base=None if h.get("base") is None else int(h["base"]),
+                kind=kind,
+                base=base,
                 full_nbytes=int(h.get("full_nbytes", h["nbytes"])),
                 full_sha256=str(h.get("full_sha256") or h["sha256"]),
             )

@@ -70,9 +70,9 @@ def export_checkpoint(
         sharded = isinstance(opt, _ShardedOptimizer) and not isinstance(opt, ReplicatedAdamS)
         local = isinstance(opt, LocalAdamS)
         step, old_ws, trees = read_newest(store, 0, 1, model_fingerprint(model, opt), shares=sharded or local)
-        if sharded:
+        if isinstance(opt, _ShardedOptimizer) and sharded:
             restore_resharded(opt, step, gather_full_state(opt, sorted(trees.items()), old_ws))
-        elif local:  # the replicas differ: their average, as at the end of a run
+        elif isinstance(opt, LocalAdamS):  # the replicas differ: their average, as at the end of a run
             total = [torch.zeros_like(p) for p in model.parameters()]
             for tree in trees.values():
                 opt.restore_replica(tree["optim"])

@@ -165,7 +165,7 @@ class ResilientTraining:
         self._store: CheckpointStore | None = None
         if (cfg := self.config).checkpoint_dir is not None:
             self._store = CheckpointStore(
-                cfg.checkpoint_dir, keep=cfg.keep_checkpoints, full_every=cfg.full_checkpoint_every
+                cfg.checkpoint_dir, cfg.keep_checkpoints, cfg.full_checkpoint_every, lossy=cfg.lossy_checkpoints
             )
             if cfg.resume and not self._store.path.is_dir():
                 raise CheckpointError(f"resume: no checkpoint directory {self._store.path}")
@@ -404,8 +404,8 @@ class ResilientTraining:
         store, every = self._store, self.config.checkpoint_every
         if store is None or not every or step % every:
             return None
-        decay = {f"optim/{k}": f for k, f in getattr(self._opt, "checkpoint_decay", dict)().items()}
-        return store.persister(step, self.comm.rank, self.comm.world_size, self._fingerprint, decay)
+        decay, moment = ts.checkpoint_hints(self._opt)
+        return store.persister(step, self.comm.rank, self.comm.world_size, self._fingerprint, decay, moment)
 
     def _resume(self) -> int:
         """Start from the newest complete checkpoint (``resume=True``); return its step. Collective."""

@@ -57,6 +57,9 @@ class ResilientConfig:
         full_checkpoint_every: Each slot writes a full checkpoint at least every
             this many checkpoints and, between them, only what changed since its
             previous one (lossless; 1: every checkpoint full).
+        lossy_checkpoints: Full checkpoints keep the sharded optimizers' first
+            moment in bfloat16 (:mod:`optim.lossy`; deltas stay lossless): smaller
+            files, and a resume from them is close to the run, not bit-identical.
         straggler_factor: A rank whose compute time (step entry to
             ``optimizer_step``) stays more than this many times the others'
             over ``straggler_window`` steps is a straggler (:mod:`optim.step_health`):
@@ -77,6 +80,7 @@ class ResilientConfig:
     checkpoint_every: int = 0
     keep_checkpoints: int = 2
     full_checkpoint_every: int = 8
+    lossy_checkpoints: bool = False
     straggler_factor: float = 3.0
     straggler_window: int = 20
     resume: bool = False
@@ -100,6 +104,8 @@ class ResilientConfig:
         full = self.full_checkpoint_every
         if isinstance(full, bool) or not isinstance(full, int) or full < 1:
             raise ValueError(f"full_checkpoint_every: must be an int >= 1, got {full!r}")
+        if not isinstance(self.lossy_checkpoints, bool):
+            raise TypeError(f"lossy_checkpoints: must be a bool, got {self.lossy_checkpoints!r}")
         factor = self.straggler_factor
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (factor == 0 or factor > 1):
             raise ValueError(f"straggler_factor: must be 0 (off) or > 1, got {factor!r}")

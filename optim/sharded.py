@@ -329,6 +329,10 @@ class _ShardedOptimizer(Optimizer):
         wherever nothing else happens to them (a delta checkpoint predicts them so); none here."""
         return {}
 
+    def checkpoint_first_moment(self) -> list[str]:
+        """Paths in :meth:`snapshot_state` of the first moment, which a lossy checkpoint keeps in bfloat16."""
+        return ["shard/exp_avg"] if "exp_avg" in self._shard else []
+
     def snapshot_state(self) -> dict[str, Any]:
         """This rank's state after the last step, for an in-memory snapshot.
 

@@ -27,6 +27,7 @@ from sparsecomm.mask import k_for
 __all__ = [
     "History",
     "average_gradients",
+    "checkpoint_hints",
     "copy_tensors",
     "gradients_finite",
     "load_common",
@@ -77,6 +78,15 @@ def snapshot_tree(
         "losses": torch.tensor(sorted(losses.items()), dtype=torch.float64).reshape(-1, 2),
         "skipped": torch.tensor(skipped + [bad_run], dtype=torch.int64),
     }
+
+
+def checkpoint_hints(opt: torch.optim.Optimizer) -> tuple[dict[str, float], list[str]]:
+    """Paths in :func:`snapshot_tree` that a checkpoint treats apart: the tensors that decay by a factor
+    in every step (a delta predicts them) and the first moment (a lossy checkpoint rounds it)."""
+    if not isinstance(opt, _ShardedOptimizer):
+        return {}, []
+    decay = {f"optim/{k}": f for k, f in opt.checkpoint_decay().items()}
+    return decay, [f"optim/{k}" for k in opt.checkpoint_first_moment()]
 
 
 def snapshot_headroom(opt: torch.optim.Optimizer, total_steps: int) -> int:

@@ -7,7 +7,14 @@ resilient train job (:func:`optim.train_job.resilient.run_resilient_training`,
 1. **with checkpoints** every ``every`` committed steps into a fresh
    directory (``full_every``: a full file at least every that many, deltas
    between; every file kept), and
-2. **without** persistent checkpoints (the in-memory snapshots stay on in both).
+2. **without** persistent checkpoints (the in-memory snapshots stay on in both),
+3. with ``lossy``, once more **with lossy checkpoints** (full files keep the
+   first moment in bfloat16, :mod:`optim.lossy`) into another directory;
+   then two runs resume, one from each directory's newest checkpoint, and
+   train ``resume_steps`` more steps: the validation loss at their end
+   (``val_loss_lossless``, ``val_loss_lossy``, over ``eval_batches``
+   batches) is what the rounding costs the model; the lossless resume is
+   the uninterrupted run, bit for bit.
 
 From the first run's files it reports, per slot file, the bytes of full and
 of delta files (``delta_ratio`` = median full / median delta, what a delta
@@ -56,6 +63,9 @@ class PersistBenchConfig:
     Attributes:
         densities: SCAPE densities (one row each).
         dense: Also a row for dense ShardedAdamS.
+        lossy: Also measure lossy checkpoints (bytes, and the validation loss after a resume).
+        resume_steps: Steps the resumed runs train after the newest checkpoint.
+        eval_batches: Validation batches of the resumed runs' final evaluation.
         d_model, n_layers: The model.
         steps: Steps of each run.
         every: Committed steps between checkpoints.
@@ -70,6 +80,9 @@ class PersistBenchConfig:
 
     densities: tuple[float, ...] = (0.01, 0.1)
     dense: bool = True
+    lossy: bool = True
+    resume_steps: int = 40
+    eval_batches: int = 8
     d_model: int = 256
     n_layers: int = 4
     steps: int = 81
@@ -102,6 +115,8 @@ class PersistBenchConfig:
             ("context", 1),
             ("threads", 1),
             ("seed", 0),
+            ("resume_steps", 1),
+            ("eval_batches", 1),
         ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
@@ -117,10 +132,10 @@ class PersistBenchConfig:
         if not self.timeout_s > 0:
             raise ValueError("timeout_s must be > 0")
 
-    def train_config(self, optimizer: str, density: float, out: str) -> TrainConfig:
+    def train_config(self, optimizer: str, density: float, out: str, steps: int = 0) -> TrainConfig:
         """The train job of one run (validation only at the last step, which is not timed)."""
         return TrainConfig(
-            steps=self.steps,
+            steps=steps or self.steps,
             nproc=self.nproc,
             optimizer=optimizer,
             density=density,
@@ -130,7 +145,7 @@ class PersistBenchConfig:
             d_model=self.d_model,
             n_layers=self.n_layers,
             eval_interval=0,
-            eval_batches=1,
+            eval_batches=self.eval_batches if steps else 1,
             threads=self.threads,
             seed=self.seed,
             job_timeout_s=self.timeout_s,
@@ -182,6 +197,43 @@ def _restore_times(store: CheckpointStore, world: int, fingerprint: str) -> dict
     }
 
 
+def _run(config: PersistBenchConfig, name: str, label: str, train: TrainConfig, res: ResilienceConfig) -> Any:
+    run = run_resilient_training(train, res, Path(train.out))
+    if run["status"] != 0:
+        raise RuntimeError(f"persist bench: {name} run {label} exited with {run['status']}")
+    return run
+
+
+def _lossy(config: PersistBenchConfig, name: str, optimizer: str, density: float, ckpt: Path) -> dict[str, Any]:
+    """The lossy run's files, and the validation loss of a resume from its checkpoint and from ``ckpt``'s."""
+    base = Path(config.out) / name
+    lossy_ckpt = base / "checkpoints-lossy"
+    shutil.rmtree(lossy_ckpt, ignore_errors=True)
+    res = ResilienceConfig(
+        spares=0,
+        checkpoint_dir=str(lossy_ckpt),
+        checkpoint_every=config.every,
+        keep_checkpoints=config.steps,
+        full_checkpoint_every=config.full_every,
+        lossy_checkpoints=True,
+    )
+    _run(config, name, "lossy", config.train_config(optimizer, density, str(base / "lossy")), res)
+    files = checkpoint_files(CheckpointStore(lossy_ckpt, keep=config.steps))
+    packed = [f["bytes"] for f in files if f["kind"] == "lossy"]
+    out: dict[str, Any] = {
+        "bytes_lossy": _median([float(b) for b in packed]),
+        "bytes_per_checkpoint_lossy": sum(f["bytes"] for f in files) / max(1, len({f["step"] for f in files})),
+    }
+    total = config.steps + config.resume_steps
+    for label, directory in (("lossless", ckpt), ("lossy", lossy_ckpt)):
+        train = config.train_config(optimizer, density, str(base / f"resume-{label}"), steps=total)
+        res = ResilienceConfig(spares=0, checkpoint_dir=str(directory), checkpoint_every=10 * total, resume=True)
+        run = _run(config, name, f"resumed from the {label} checkpoint", train, res)
+        out[f"val_loss_{label}"] = float(run["evals"][max(run["evals"])])
+    out["val_loss_ratio"] = out["val_loss_lossy"] / out["val_loss_lossless"]
+    return out
+
+
 def _row(config: PersistBenchConfig, optimizer: str, density: float) -> dict[str, Any]:
     name = optimizer if optimizer != "scape" else f"scape-{density:g}"
     base = Path(config.out) / name
@@ -201,11 +253,7 @@ def _row(config: PersistBenchConfig, optimizer: str, density: float) -> dict[str
         ),
         ("without", ResilienceConfig(spares=0)),
     ):
-        out = base / label
-        run = run_resilient_training(config.train_config(optimizer, density, str(out)), res, out)
-        if run["status"] != 0:
-            raise RuntimeError(f"persist bench: {name} run {label} checkpoints exited with {run['status']}")
-        runs[label] = run
+        runs[label] = _run(config, name, label, config.train_config(optimizer, density, str(base / label)), res)
     store = CheckpointStore(ckpt, keep=config.steps, full_every=config.full_every)
     files = checkpoint_files(store)
     full = [f["bytes"] for f in files if f["kind"] == "full"]
@@ -244,6 +292,8 @@ def _row(config: PersistBenchConfig, optimizer: str, density: float) -> dict[str
         secs = [float(w["seconds"]) for w in writes if w["kind"] == kind]
         row[f"write_ms_{kind}"] = 1e3 * statistics.median(secs) if secs else None
     row.update(_restore_times(store, config.nproc, fingerprint))
+    if config.lossy:
+        row.update(_lossy(config, name, optimizer, density, ckpt))
     return row
 
 

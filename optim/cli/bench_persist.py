@@ -47,6 +47,27 @@ def format_persist_table(bench: dict[str, Any]) -> str:
             f"{r['chain_files']:>5} {r['restore_ms_full']:>12.1f} {r['step_ms_without']:>8.1f} "
             f"{_pct(r['overhead_fraction']):>9} {_pct(r['overhead_in_run']):>8} {str(r['losses_agree']):>11}"
         )
+    lossy = [r for r in bench["rows"] if "bytes_lossy" in r]
+    if lossy:
+        lines += [
+            "",
+            "# lossy checkpoints (--lossy-checkpoints): full files keep the first moment in bfloat16, deltas stay "
+            "lossless; lossy_KB: median lossy full file (vs full_KB above); per_ckpt_KB: bytes per checkpoint",
+            f"# val_loss after resuming from the newest checkpoint (step {c['steps'] - c['steps'] % c['every']}) "
+            f"and training {c['resume_steps']} more steps, {c['eval_batches']} validation batches: from the lossless "
+            "checkpoint (= the uninterrupted run) and from the lossy one",
+            f"{'optimizer':>11} {'full_KB':>9} {'lossy_KB':>9} {'saved':>6} {'per_ckpt_KB':>11} "
+            f"{'val_lossless':>12} {'val_lossy':>10} {'ratio':>8}",
+        ]
+        for r in lossy:
+            bf, bl = r["bytes_full"], r["bytes_lossy"]
+            saved = None if bf is None or bl is None else 1 - bl / bf
+            lines.append(
+                f"{r['name']:>11} {or_dash(None if bf is None else bf / 1e3, '.0f'):>9} "
+                f"{or_dash(None if bl is None else bl / 1e3, '.0f'):>9} {_pct(saved):>6} "
+                f"{r['bytes_per_checkpoint_lossy'] / 1e3:>11.0f} {r['val_loss_lossless']:>12.4f} "
+                f"{r['val_loss_lossy']:>10.4f} {r['val_loss_ratio']:>8.5f}"
+            )
     return "\n".join(lines)
 
 
@@ -66,6 +87,8 @@ def add_persist_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--steps", type=int, default=d.steps)
     g.add_argument("--every", type=int, default=d.every, help="steps between checkpoints")
     g.add_argument("--full-every", type=int, default=d.full_every, help="a full file at least every M checkpoints")
+    g.add_argument("--no-lossy", action="store_true", help="leave out the lossy checkpoints and their resumes")
+    g.add_argument("--resume-steps", type=int, default=d.resume_steps, help="steps the resumed runs train on")
 
 
 def run_persist_command(args: argparse.Namespace) -> int:
@@ -79,6 +102,8 @@ def run_persist_command(args: argparse.Namespace) -> int:
             steps=args.steps,
             every=args.every,
             full_every=args.full_every,
+            lossy=not args.no_lossy,
+            resume_steps=args.resume_steps,
             nproc=args.nproc,
             threads=args.threads,
             timeout_s=args.timeout,

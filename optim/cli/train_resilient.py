@@ -42,6 +42,11 @@ def add_resilience_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--full-every", type=int, default=8, metavar="M", help="a full checkpoint every M, deltas between (1: all full)"
     )
+    p.add_argument(
+        "--lossy-checkpoints",
+        action="store_true",
+        help="full checkpoints keep the first moment in bfloat16 (smaller; a resume is close, not bit-identical)",
+    )
     p.add_argument("--resume", action="store_true", help="start from the newest complete checkpoint in DIR")
 
 
@@ -149,6 +154,7 @@ def run_resilient_cmd(args: argparse.Namespace, config: TrainConfig) -> int:
             checkpoint_every=args.checkpoint_every,
             keep_checkpoints=args.keep,
             full_checkpoint_every=args.full_every,
+            lossy_checkpoints=args.lossy_checkpoints,
             resume=args.resume,
         )
         res.check_against(config)

@@ -70,8 +70,8 @@ class ResilienceConfig:
             ``committed`` event says whether its step took one. A failure
             restores the newest snapshot every slot holds, which may be older.
             0 (default): a snapshot after every step.
-        checkpoint_dir, checkpoint_every, keep_checkpoints, full_checkpoint_every, resume: persistent
-            checkpoints, as :class:`optim.resilient.ResilientConfig`'s.
+        checkpoint_dir, checkpoint_every, keep_checkpoints, full_checkpoint_every, lossy_checkpoints,
+            resume: persistent checkpoints, as :class:`optim.resilient.ResilientConfig`'s.
     """
 
     spares: int = 1
@@ -84,6 +84,7 @@ class ResilienceConfig:
     checkpoint_every: int = 0
     keep_checkpoints: int = 2
     full_checkpoint_every: int = 8
+    lossy_checkpoints: bool = False
     resume: bool = False
 
     def resilient_config(self, timeout_s: float) -> ResilientConfig:
@@ -96,6 +97,7 @@ class ResilienceConfig:
             checkpoint_every=self.checkpoint_every,
             keep_checkpoints=self.keep_checkpoints,
             full_checkpoint_every=self.full_checkpoint_every,
+            lossy_checkpoints=self.lossy_checkpoints,
             resume=self.resume,
         )
 

@@ -199,6 +199,24 @@ def test_train_command_checkpoints_and_resumes(tmp_path: Path) -> None:
     assert resumed["params_digest"] == ref["params_digest"]
 
 
+def test_lossy_checkpoints_are_smaller_and_resume_close_to_the_run(tmp_path: Path) -> None:
+    """--lossy-checkpoints: full files keep SCAPE's first moment in bfloat16; a resume from them trains on close to
+    the uninterrupted run (its history exact, its later losses within 2%)."""
+    common = ["--optimizer", "scape", "--density", "0.1", "--checkpoint-every", "10"]
+    ref = _train(tmp_path / "ref", "--steps", "30", "--checkpoint-dir", str(tmp_path / "plain"), *common)
+    ckpt = tmp_path / "ckpt"
+    _train(tmp_path / "first", "--steps", "20", "--checkpoint-dir", str(ckpt), "--lossy-checkpoints", *common)
+    lossy, plain = CheckpointStore(ckpt), CheckpointStore(tmp_path / "plain")
+    for slot in range(2):
+        assert lossy.file_info(10, slot)["kind"] == "lossy" and lossy.file_info(20, slot)["kind"] == "delta"
+        assert lossy.file_info(10, slot)["bytes"] < 0.9 * plain.file_info(10, slot)["bytes"]
+    resumed = _train(tmp_path / "second", "--steps", "30", "--checkpoint-dir", str(ckpt), "--resume", *common)
+    losses, want = resumed["losses"], ref["losses"]
+    assert sorted(losses) == sorted(want)
+    assert all(losses[k] == want[k] for k in want if int(k) <= 20)
+    assert all(abs(losses[k] - want[k]) <= 0.02 * want[k] for k in want), [(k, losses[k], want[k]) for k in want]
+
+
 def test_export_state_dict_is_a_plain_torch_file(tmp_path: Path) -> None:
     from optim.checkpoint import export_state_dict
 

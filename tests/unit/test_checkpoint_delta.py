@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from optim import lossy
 from optim.checkpoint import CheckpointError, CheckpointStore
 from optim.delta import apply_delta, encode_delta
 from optim.snapshot import decode_tree, encode_tree
@@ -144,3 +145,62 @@ def test_a_corrupted_or_missing_base_fails_the_delta_loudly(tmp_path) -> None:
 def test_full_every_is_checked() -> None:
     with pytest.raises(CheckpointError, match="full_every"):
         CheckpointStore("x", full_every=0)
+
+
+# ---------------------------------------------------------------------- lossy first moment
+def test_lossy_pack_rounds_only_the_named_float32_tensor() -> None:
+    m = torch.randn(5001) * 1e-3
+    tree = {**_tree(3, torch.randn(5001), m), "ints": torch.arange(7), "odd": torch.arange(3, dtype=torch.uint8)}
+    full = _bytes(tree)
+    packed = lossy.pack(full, ["shard/exp_avg"])
+    assert packed is not None and len(packed) < len(full) - 2 * m.numel() + 1000
+    back = decode_tree(torch.frombuffer(bytearray(lossy.unpack(packed)), dtype=torch.uint8))
+    assert torch.equal(back["shard"]["exp_avg"], m.to(torch.bfloat16).float())  # round to nearest even
+    assert torch.equal(back["master"], tree["master"]) and torch.equal(back["losses"], tree["losses"])
+    assert torch.equal(back["ints"], tree["ints"]) and torch.equal(back["odd"], tree["odd"]) and back["step"] == 3
+    assert lossy.pack(full, ["ints", "nothing"]) is None  # no float32 tensor named: nothing to round
+    with pytest.raises(ValueError, match="not a lossy file"):
+        lossy.unpack(full)
+
+
+def _lossy_run(store: CheckpointStore, steps: list[int], beta: float = 0.9) -> dict[int, dict]:
+    """SCAPE-like: the master changes on 1% of the coordinates, the first moment decays elsewhere."""
+    g = torch.Generator().manual_seed(0)
+    w, m = torch.randn(20_000, generator=g), torch.randn(20_000, generator=g)
+    exact = {}
+    for step in steps:
+        w = _sparse_change(w, 0.01, step)
+        m = m * beta
+        idx = torch.randperm(m.numel(), generator=g)[:200]
+        m[idx] = torch.randn(200, generator=g)
+        tree = _tree(step, w, m)
+        store.write(step, 0, 1, FP, _payload(tree), {"shard/exp_avg": beta}, ["shard/exp_avg"])
+        exact[step] = tree
+    return exact
+
+
+def test_a_lossy_store_rounds_full_files_keeps_deltas_exact_and_checks_every_rebuild(tmp_path) -> None:
+    store = CheckpointStore(tmp_path, keep=10, full_every=4, lossy=True)
+    exact = _lossy_run(store, [1, 2, 3, 4, 5])
+    assert [w["kind"] for w in store.written] == ["lossy", "delta", "delta", "delta", "lossy"]
+    plain = CheckpointStore(tmp_path / "plain", keep=10, full_every=4)
+    _lossy_run(plain, [1, 2, 3, 4, 5])
+    lossy_full = [w["bytes"] for w in store.written if w["kind"] == "lossy"]
+    assert max(lossy_full) < 0.8 * min(w["bytes"] for w in plain.written if w["kind"] == "full")
+    fresh = CheckpointStore(tmp_path, keep=10, full_every=4)  # a reader needs no flag: the header says it
+    for step, tree in exact.items():
+        got = decode_tree(fresh.read(step, 0, 1, FP))
+        assert torch.equal(got["master"], tree["master"])  # the master weights stay exact
+        err = (got["shard"]["exp_avg"] - tree["shard"]["exp_avg"]).abs()
+        assert float((err / tree["shard"]["exp_avg"].abs().clamp_min(1e-30)).max()) <= 2**-8
+        assert float(err.max()) > 0  # rounded where nothing changed since the lossy file
+    raw = bytearray(store.slot_file(1, 0).read_bytes())
+    raw[-50] ^= 0x01  # one flipped bit in the lossy base
+    store.slot_file(1, 0).write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="corrupted"):
+        fresh.read(3, 0, 1, FP)
+
+
+def test_lossy_is_checked() -> None:
+    with pytest.raises(CheckpointError, match="lossy"):
+        CheckpointStore("x", lossy=1)  # type: ignore[arg-type]
