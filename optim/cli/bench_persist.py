@@ -56,15 +56,15 @@ def format_persist_table(bench: dict[str, Any]) -> str:
             f"# val_loss after resuming from the newest checkpoint (step {c['steps'] - c['steps'] % c['every']}) "
             f"and training {c['resume_steps']} more steps, {c['eval_batches']} validation batches: from the lossless "
             "checkpoint (= the uninterrupted run) and from the lossy one",
-            f"{'optimizer':>11} {'full_KB':>9} {'lossy_KB':>9} {'saved':>6} {'per_ckpt_KB':>11} "
+            f"{'optimizer':>11} {'full_KB':>9} {'lossy_KB':>9} {'saved%':>6} {'per_ckpt_KB':>11} "
             f"{'val_lossless':>12} {'val_lossy':>10} {'ratio':>8}",
         ]
         for r in lossy:
             bf, bl = r["bytes_full"], r["bytes_lossy"]
-            saved = None if bf is None or bl is None else 1 - bl / bf
+            saved = None if bf is None or bl is None else 100 * (1 - bl / bf)
             lines.append(
                 f"{r['name']:>11} {or_dash(None if bf is None else bf / 1e3, '.0f'):>9} "
-                f"{or_dash(None if bl is None else bl / 1e3, '.0f'):>9} {_pct(saved):>6} "
+                f"{or_dash(None if bl is None else bl / 1e3, '.0f'):>9} {or_dash(saved, '.1f'):>6} "
                 f"{r['bytes_per_checkpoint_lossy'] / 1e3:>11.0f} {r['val_loss_lossless']:>12.4f} "
                 f"{r['val_loss_lossy']:>10.4f} {r['val_loss_ratio']:>8.5f}"
             )
