@@ -144,6 +144,7 @@ class SCAPE(ShardedAdamS):
         b = self._bucket
         self.last_mask: ShardedMask | None = None
         self._residual = b.new_flat() if self.error_feedback else None
+        self._score_buf: Tensor | None = None  # the mask statistic's scratch (real shard positions)
         self._sched: MaskSchedule | None = None
         if self.density < 1.0:
             self._sched = MaskSchedule(self._comm, numel=b.numel, density=self.density, delay=mask_delay)
@@ -202,13 +203,12 @@ class SCAPE(ShardedAdamS):
         b.write_params(flat)
 
     def _decay_unselected(self, idx: Tensor) -> None:
-        unsel = torch.ones(self._master.numel(), dtype=torch.bool, device=idx.device)
-        unsel[idx] = False
+        """m *= beta1 outside the mask: in place over the shard, the k selected values put back (one pass)."""
         m = self._shard["exp_avg"]
+        kept = m[idx]
         for seg in self._bucket.segments:
-            beta1 = self.param_groups[seg.group]["betas"][0]
-            part = m[seg.lo : seg.hi]
-            part.copy_(torch.where(unsel[seg.lo : seg.hi], part * beta1, part))
+            m[seg.lo : seg.hi].mul_(self.param_groups[seg.group]["betas"][0])
+        m[idx] = kept
 
     def _after(self, t: int) -> None:
         """Propose this rank's piece of the mask of step t + 1 + D from |m| of its shard."""
@@ -220,18 +220,21 @@ class SCAPE(ShardedAdamS):
         """The mask statistic of this rank's shard (real positions only) after step ``t``."""
         b = self._bucket
         m = self._shard["exp_avg"][: b.real]
-        if self.score == "abs_m_theta":
-            scores = m.abs() * self._master[: b.real].abs()
+        if self._score_buf is None:  # one scratch buffer for every step: no fresh pages to fault in each time
+            self._score_buf = torch.empty_like(m)
+        scores = self._score_buf
+        if self.score == "abs_m_theta":  # |m * w| is |m| * |w| bit for bit: one product, abs in place
+            torch.mul(m, self._master[: b.real], out=scores).abs_()
         elif self.score == "abs_m_residual":
             assert self._residual is not None
             e = b.own_slice(self._residual)[: b.real]
-            scores = m.clone()
+            scores.copy_(m)
             for seg in b.segments:
                 beta1 = self.param_groups[seg.group]["betas"][0]
                 scores[seg.lo : seg.hi].add_(e[seg.lo : seg.hi], alpha=1.0 - beta1)
             scores.abs_()
         else:
-            scores = m.abs()
+            torch.abs(m, out=scores)
         assert self._sched is not None
         n_explore = min(b.real, math.ceil(self.explore * self._sched.k))
         if n_explore > 0:

@@ -340,34 +340,52 @@ def _select_by_key(key: torch.Tensor, k: int) -> torch.Tensor:
 
 #: Shards below this many scores take the plain exact selection (already cheap).
 _CANDIDATE_MIN_NUMEL = 1 << 16
-#: One score in this many goes into the sample that bounds the threshold.
-_SAMPLE_STRIDE = 16
+#: About this many scores go into the strided sample that bounds the threshold...
+_SAMPLE_TARGET = 1 << 18
+#: ... with at least this many of them above the bound (a tighter stride otherwise).
+_SAMPLE_MIN_ABOVE = 256
 
 
 def _topk_among_candidates(scores: torch.Tensor, k: int) -> torch.Tensor | None:
     """The same selection as the full path, computed on a small candidate set.
 
-    A strided sample gives a value ``t`` that about twice ``k`` scores reach;
-    when at least ``k`` real scores are ``>= t``, the ``k`` largest (and every
-    score tied with the k-th) are all among them, so the exact selection over
-    the candidates (which keep their ascending positions) is the exact
-    selection over the shard. Returns ``None`` when the bound does not hold
-    (too few candidates, NaN in the way, small shards): the caller then runs
-    the full selection. Cost: one comparison pass instead of a selection over
-    every score (about 10x faster at 1% of 5.5M scores).
+    A strided sample (about ``_SAMPLE_TARGET`` scores) gives a value ``t``
+    that a little more than ``k`` scores reach (the sample's share of ``k``,
+    plus 1/16 of it and four standard deviations of its count, plus 64: a
+    strided sample of structured parameters is not a random one); when at
+    least ``k`` real scores are ``>= t``, the ``k`` largest (and every score
+    tied with the k-th) are all among them, so the exact selection over the
+    candidates (which keep their ascending positions) is the exact selection
+    over the shard. When too few reach it, a bound twice as generous is
+    tried. Returns ``None`` when neither holds (or NaN is in the way, or the
+    shard is small): the caller then runs the full selection. Cost: a
+    comparison pass and a selection over about ``k`` candidates instead of
+    one over every score.
     """
     n = scores.numel()
     if n < _CANDIDATE_MIN_NUMEL or k * 8 > n:
         return None
-    sample = scores[::_SAMPLE_STRIDE]
-    want = min(sample.numel(), 2 * (k // _SAMPLE_STRIDE) + 64)
-    bound = torch.kthvalue(sample.float(), sample.numel() - want + 1).values
-    if torch.isnan(bound):
-        return None
-    cand = torch.nonzero(scores >= bound).flatten()
-    if cand.numel() < k:
-        return None
-    return cand[_select_by_key(_order_key(scores[cand]), k)]
+    stride = max(1, min(n // _SAMPLE_TARGET, k // _SAMPLE_MIN_ABOVE))
+    sample = scores[::stride].float()
+    share = k // stride
+    levels = (share + share // 16 + 4 * math.isqrt(share) + 64, 2 * share + 64)
+    top = torch.topk(sample, min(sample.numel(), levels[-1]), sorted=True).values
+    for want in levels:
+        bound = top[min(want, top.numel()) - 1]
+        if torch.isnan(bound):
+            return None
+        cand = _at_least(scores, bound)
+        if cand.numel() >= k:
+            return cand[_select_by_key(_order_key(scores[cand]), k)]
+    return None
+
+
+def _at_least(scores: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    """Ascending positions of the scores ``>= bound`` (numpy on CPU: 3-6x faster than torch's one thread)."""
+    if scores.device.type == "cpu" and scores.dtype in (torch.float32, torch.float64):
+        x = scores.numpy()
+        return torch.from_numpy(np.flatnonzero(x >= x.dtype.type(bound.item())))
+    return torch.nonzero(scores >= bound).flatten()
 
 
 def _index_array(indices: torch.Tensor, shard_size: int) -> np.ndarray:

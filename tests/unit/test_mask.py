@@ -263,6 +263,35 @@ def test_topk_is_deterministic_on_large_ties() -> None:
     assert first.tolist() == _reference_topk(scores.tolist(), 30_000, 100_000)
 
 
+def _structured_scores(n: int, seed: int) -> torch.Tensor:
+    """Scores shaped like a model's: blocks of very different scale, periodic rows, an inf window, ties, NaN."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g).abs()
+    cuts = sorted(torch.randint(0, n, (6,), generator=g).tolist())
+    for i, (lo, hi) in enumerate(zip([0, *cuts], [*cuts, n], strict=True)):
+        x[lo:hi] *= 10.0 ** (i % 4 - 2)
+    period = int(torch.randint(16, 700, (1,), generator=g))
+    x[:: period] *= 50.0  # a row-periodic pattern a strided sample can alias with
+    x[n // 3 : n // 3 + n // 50] = float("inf")  # the exploration window
+    x[torch.randint(0, n, (n // 20,), generator=g)] = 0.5  # ties
+    x[torch.randint(0, n, (n // 200,), generator=g)] = float("nan")
+    return x
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_topk_candidate_path_is_the_exact_selection(seed: int) -> None:
+    """Large shards take the sampled candidate set: the result is the full exact selection's, on any data."""
+    from sparsecomm.mask import _order_key, _select_by_key
+
+    n = [70_001, 300_000, 1_000_003][seed % 3]
+    scores = _structured_scores(n, seed)
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        s = scores.to(dtype)
+        for density in (0.12, 0.1, 0.03, 0.01, 0.002, 0.0005):
+            k = max(1, int(density * n))
+            assert torch.equal(topk_piece(s, k), _select_by_key(_order_key(s), k)), (dtype, density)
+
+
 # --------------------------------------------------------------- encodings
 
 
