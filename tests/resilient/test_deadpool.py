@@ -308,22 +308,28 @@ def test_promoted_spare_dies_while_restoring(tmp_path: Path, reference) -> None:
     assert [e["slot"] for e in promotions] == [2, 2]
 
 
-@pytest.mark.timeout(300)
-def test_buddy_and_ward_lost_together_falls_back_to_disk(tmp_path: Path, reference) -> None:
-    """As below, with persistent checkpoints every 4 steps: the members restore the newest complete one and go on."""
-    config = _config("scape", nproc=5)
-    ckpt = tmp_path / "ckpt"
-    job = _Job(tmp_path, config, _res(spares=2, checkpoint_dir=str(ckpt), checkpoint_every=4))
+def _kill_buddy_and_ward(tmp_path: Path, config: TrainConfig, res: ResilienceConfig, after: int) -> dict[str, Any]:
+    """Run the job; once step ``after`` is committed, SIGKILL slots 1 and 2 together (slot 1's own copy and its
+    buddy's); return the run."""
+    job = _Job(tmp_path, config, res)
 
     def slot_pids() -> dict[int, int] | None:
         joined = {e["rank"]: e["pid"] for e in job.events("joined")}
         return joined if len(joined) == config.nproc else None
 
     pids = wait_until(slot_pids, 180, "every worker to join")
-    wait_until(lambda: any(e["step"] >= 10 for e in job.events("committed")), 120, "step 10", interval=0.001)
+    wait_until(lambda: any(e["step"] >= after for e in job.events("committed")), 120, f"step {after}", interval=0.001)
     os.kill(pids[1], signal.SIGKILL)
     os.kill(pids[2], signal.SIGKILL)
-    run = job.join(240)
+    return job.join(240)
+
+
+@pytest.mark.timeout(300)
+def test_buddy_and_ward_lost_together_falls_back_to_disk(tmp_path: Path, reference) -> None:
+    """As below, with persistent checkpoints every 4 steps: the members restore the newest complete one and go on."""
+    config = _config("scape", nproc=5)
+    res = _res(spares=2, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=4)
+    run = _kill_buddy_and_ward(tmp_path, config, res, after=10)
     assert run["status"] == 0, _tail(run)
     restores = [e for e in run["events"] if e["event"] == "restored"]
     assert restores and all(e["from_disk"] for e in restores), _tail(run)
@@ -336,18 +342,8 @@ def test_buddy_and_ward_lost_together_falls_back_to_disk(tmp_path: Path, referen
 def test_buddy_and_ward_lost_together_without_spares_shrinks_from_disk(tmp_path: Path, reference) -> None:
     """No spare: the three survivors restore the newest complete checkpoint of five slots, re-sharded onto three."""
     config = _config("scape", nproc=5)
-    ckpt = tmp_path / "ckpt"
-    job = _Job(tmp_path, config, _res(spares=0, checkpoint_dir=str(ckpt), checkpoint_every=4))
-
-    def slot_pids() -> dict[int, int] | None:
-        joined = {e["rank"]: e["pid"] for e in job.events("joined")}
-        return joined if len(joined) == config.nproc else None
-
-    pids = wait_until(slot_pids, 180, "every worker to join")
-    wait_until(lambda: any(e["step"] >= 10 for e in job.events("committed")), 120, "step 10", interval=0.001)
-    os.kill(pids[1], signal.SIGKILL)
-    os.kill(pids[2], signal.SIGKILL)
-    run = job.join(240)
+    res = _res(spares=0, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=4)
+    run = _kill_buddy_and_ward(tmp_path, config, res, after=10)
     assert run["status"] == 0, _tail(run)
     restores = [e for e in run["events"] if e["event"] == "restored"]
     assert restores and all(e["from_disk"] and e["world_size"] == 3 for e in restores), _tail(run)
@@ -371,17 +367,7 @@ def test_buddy_and_ward_lost_together_stops_the_job(tmp_path: Path) -> None:
     four would end the job there, before any recovery is tried).
     """
     config = _config("scape", nproc=5)
-    job = _Job(tmp_path, config, _res(spares=2))
-
-    def slot_pids() -> dict[int, int] | None:
-        joined = {e["rank"]: e["pid"] for e in job.events("joined")}
-        return joined if len(joined) == config.nproc else None
-
-    pids = wait_until(slot_pids, 180, "every worker to join")
-    wait_until(lambda: any(e["step"] >= 9 for e in job.events("committed")), 120, "step 9", interval=0.001)
-    os.kill(pids[1], signal.SIGKILL)
-    os.kill(pids[2], signal.SIGKILL)
-    run = job.join(200)
+    run = _kill_buddy_and_ward(tmp_path, config, _res(spares=2), after=9)
     assert run["status"] != 0, _tail(run)
     errors = [e for e in run["events"] if e["event"] == "error" and e["source"] == "worker"]
     unrecoverable = [e for e in errors if e["error"].startswith("UnrecoverableStateError")]
