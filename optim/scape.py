@@ -15,6 +15,8 @@ One sparse SCAPE step t::
            'decay_m' (m *= beta1, w untouched)
     sparse_all_gather of the updated master values at M_t -> every replica
     owner: propose its next piece = top-k |m| of its shard -> M_{t+1+D}
+           (CPU: scored, selected and encoded on a worker thread beside the
+           caller's next forward and backward; the gather starts at step t+1)
 
 Step indices: ``t`` counts completed steps from 0; the AdamS bias correction uses
 ``t + 1``. SCAPE step ``t`` is dense when ``t < warmup_steps``, when
@@ -76,6 +78,11 @@ class SCAPE(ShardedAdamS):
             every coordinate is visited.
         max_grad_norm: Clip the global norm of the synchronized values (0 = off).
         group: ``sparsecomm.distributed`` group (default: the default group).
+        background_proposal: On CPU, build the next mask piece (score, top-k,
+            encoding) on a worker thread that runs beside the caller's next
+            forward and backward instead of inside ``step()``; its gather is
+            posted at the start of the next ``step()``. The selection is the
+            same bit for bit either way. (On CUDA the piece is built in line.)
 
     Attributes:
         last_mask: The mask used by the last step (``None`` if it was dense).
@@ -101,6 +108,7 @@ class SCAPE(ShardedAdamS):
         group: Any = None,
         *,
         wd_min_ndim: int = 2,
+        background_proposal: bool = True,
     ) -> None:
         if isinstance(density, bool) or not isinstance(density, (int, float)):
             raise ValueError(f"Invalid density: {density!r} (must be a float in (0, 1])")
@@ -117,6 +125,8 @@ class SCAPE(ShardedAdamS):
             raise ValueError("score='abs_m_residual' needs error_feedback=True")
         if isinstance(explore, bool) or not isinstance(explore, (int, float)) or not 0.0 <= explore < 1.0:
             raise ValueError(f"Invalid explore: {explore!r} (must be a float in [0, 1))")
+        if not isinstance(background_proposal, bool):
+            raise TypeError(f"background_proposal: expected a bool, got {type(background_proposal).__name__}")
         self.density = float(density)
         self.mask_delay = mask_delay
         self.warmup_steps = warmup_steps
@@ -146,6 +156,7 @@ class SCAPE(ShardedAdamS):
         self._residual = b.new_flat() if self.error_feedback else None
         self._score_buf: Tensor | None = None  # the mask statistic's scratch (real shard positions)
         self._sched: MaskSchedule | None = None
+        self._background = background_proposal and self._master.device.type == "cpu"
         if self.density < 1.0:
             self._sched = MaskSchedule(self._comm, numel=b.numel, density=self.density, delay=mask_delay)
 
@@ -212,9 +223,23 @@ class SCAPE(ShardedAdamS):
 
     def _after(self, t: int) -> None:
         """Propose this rank's piece of the mask of step t + 1 + D from |m| of its shard."""
-        if self._sched is None or not self.is_sparse_step(self._sched.target_step(t)):
+        if self._sched is None:
             return
-        self._sched.propose(t, self._scores(t))
+        if self._background:
+            self._sched.prefetch()  # a mask whose gather finished decodes beside the next forward/backward
+        if not self.is_sparse_step(self._sched.target_step(t)):
+            return
+        # The worker reads m, the master shard and the residual, which nothing writes before the next
+        # step() (it settles first) or a restore (it quiesces first).
+        self._sched.propose(t, (lambda: self._scores(t)) if self._background else self._scores(t))
+
+    def _settle(self) -> None:
+        if self._sched is not None:
+            self._sched.settle()
+
+    def _quiesce(self) -> None:
+        if self._sched is not None:
+            self._sched.discard_unsent()
 
     def _scores(self, t: int) -> Tensor:
         """The mask statistic of this rank's shard (real positions only) after step ``t``."""

@@ -126,6 +126,7 @@ class _ShardedOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._settle()
         t = self._step
         self._sync_params()
         self._check_grads(self._bucket.gather_grads(self._grad))
@@ -205,6 +206,12 @@ class _ShardedOptimizer(Optimizer):
                 "parameters were replaced by new objects that no module registered (e.g. a copy of the model), "
                 "build the optimizer over the parameters the model uses"
             )
+
+    def _settle(self) -> None:
+        """Finish the work a step left running beside the caller's compute (start of every step)."""
+
+    def _quiesce(self) -> None:
+        """Stop that work without communicating, before this rank's state is overwritten."""
 
     def _run(self, t: int) -> None:
         self._dense_step(t)
@@ -358,6 +365,7 @@ class _ShardedOptimizer(Optimizer):
         :meth:`resync_params` afterwards.
         """
         self._check_shard("snapshot", snap)
+        self._quiesce()
         self._copy_shard(snap)
         self._restore_extra(snap["extra"])
 
@@ -405,6 +413,7 @@ class _ShardedOptimizer(Optimizer):
         if sh is None:
             raise ValueError("state_dict: not a sharded optimizer state (no 'sharded' entry)")
         self._check_shard("state_dict", sh)
+        self._quiesce()
         super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
         self._copy_shard(sh)
         self._load_extra(sh["extra"])

@@ -8,6 +8,16 @@ mask of step ``t + 1 + delay`` (``delay`` = D, default 1). With D = 1 the
 gather has a whole step of compute to finish, and :meth:`MaskSchedule.mask_for`
 waits only when the mask is first needed.
 
+The piece itself (scoring, top-k, encoding) can be built beside the caller's
+next compute: :meth:`MaskSchedule.propose` with a *callable* that makes the
+scores runs it, the top-k and the encoding on one worker thread (CPU scores
+only), and the gather is posted by :meth:`MaskSchedule.settle`, which every
+rank calls at the same point of its program (SCAPE: first thing in the next
+``step()``); :meth:`MaskSchedule.prefetch` hands a finished gather's decoding
+to the same thread (SCAPE: at the end of a step). Pure compute runs on the thread and every collective is posted by
+the caller's thread, so collectives keep the same order on every rank, and the
+selected positions are the same bit for bit as when proposed in line.
+
 Wire format: every piece is padded to the same number of bytes, so one plain
 all-gather carries them. The encoding is a pure function of (k, shard_size),
 hence the same on every rank: the smallest *guaranteed* size among
@@ -25,6 +35,8 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -93,6 +105,18 @@ class _InFlight:
     work: Work
 
 
+@dataclass
+class _Building:
+    made_at: int
+    wire: Future[torch.Tensor]
+
+
+@dataclass
+class _Decoding:
+    made_at: int
+    mask: Future[ShardedMask]
+
+
 class MaskSchedule:
     """Holds the masks in flight and hands out the mask of each step.
 
@@ -122,8 +146,11 @@ class MaskSchedule:
         self.density = density
         self.delay = delay
         self.encoding, self.piece_bytes = wire_encoding(self.k, self.shard_size)
+        self._building: dict[int, _Building] = {}
+        self._decoding: dict[int, _Decoding] = {}
         self._in_flight: dict[int, _InFlight] = {}
         self._ready: dict[int, ShardedMask] = {}
+        self._worker: ThreadPoolExecutor | None = None
 
     @property
     def own_shard(self) -> tuple[int, int]:
@@ -135,7 +162,7 @@ class MaskSchedule:
         """Step that uses the mask made after ``made_at``."""
         return made_at + 1 + self.delay
 
-    def propose(self, step: int, scores: torch.Tensor) -> int:
+    def propose(self, step: int, scores: torch.Tensor | Callable[[], torch.Tensor]) -> int:
         """Build this rank's piece from ``scores`` and start gathering the pieces.
 
         Collective: every rank must call this for the same ``step``.
@@ -144,29 +171,100 @@ class MaskSchedule:
             step: The step just finished.
             scores: Scores of this rank's shard: as many elements as the shard
                 has real positions (``own_shard``), any float dtype and device.
+                Or a callable that returns them: it runs, with the top-k and
+                the encoding, on the schedule's worker thread, and the gather
+                starts at the next :meth:`settle` (or any call that needs the
+                mask). The callable must only read state that the caller
+                leaves unchanged until then.
 
         Returns:
             The step that will use the new mask.
 
         Raises:
             ValueError: Wrong number of scores, or a mask is already in flight for that step.
+            TypeError: ``scores`` is neither a float tensor nor a callable
+                (a callable's wrong result raises from :meth:`settle`).
         """
+        target = self.target_step(step)
+        if self.scheduled(target):
+            raise ValueError(f"step: a mask for step {target} is already scheduled")
+        if callable(scores) and not isinstance(scores, torch.Tensor):
+            self._building[target] = _Building(step, self._thread().submit(self._wire_for, scores))
+            return target
+        self._post(target, step, self._wire_for(scores))
+        return target
+
+    def _thread(self) -> ThreadPoolExecutor:
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparsecomm-mask")
+        return self._worker
+
+    def _wire_for(self, scores: torch.Tensor | Callable[[], torch.Tensor]) -> torch.Tensor:
+        if callable(scores) and not isinstance(scores, torch.Tensor):
+            scores = scores()
         start, stop = self.own_shard
         if not isinstance(scores, torch.Tensor) or not scores.is_floating_point():
             raise TypeError("scores: expected a floating-point torch.Tensor")
         if scores.numel() != stop - start:
             raise ValueError(f"scores: expected {stop - start} values for this rank's shard, got {scores.numel()}")
-        target = self.target_step(step)
-        if target in self._in_flight or target in self._ready:
-            raise ValueError(f"step: a mask for step {target} is already scheduled")
         piece = topk_piece(scores.detach().reshape(-1).cpu(), self.k, shard_size=self.shard_size)
-        wire = _to_wire(piece, self.shard_size, self.encoding, self.piece_bytes)
+        return _to_wire(piece, self.shard_size, self.encoding, self.piece_bytes)
+
+    def _post(self, target: int, made_at: int, wire: torch.Tensor) -> None:
         gathered = torch.empty(self.piece_bytes * self.world_size, dtype=torch.uint8)
         with self._comm.stats.scope("mask_sync"):
             work = self._comm.all_gather(gathered, wire, async_op=True)
         assert work is not None
-        self._in_flight[target] = _InFlight(step, gathered, work)
-        return target
+        self._in_flight[target] = _InFlight(made_at, gathered, work)
+
+    def settle(self) -> None:
+        """Wait for the pieces being built on the worker thread and start their gathers.
+
+        Collective: every rank must call this at the same point (it posts the
+        gathers of pieces proposed with a callable). Re-raises what building a
+        piece raised, on every rank alike (the same bad scores give the same
+        error).
+        """
+        building, self._building = self._building, {}
+        failure: BaseException | None = None
+        for target in sorted(building):
+            try:
+                wire = building[target].wire.result()
+            except BaseException as exc:  # noqa: BLE001 - joined first, raised below
+                failure = failure or exc
+                continue
+            if failure is None:
+                self._post(target, building[target].made_at, wire)
+        if failure is not None:
+            raise failure
+
+    def discard_unsent(self) -> None:
+        """Wait for the pieces being built on the worker thread and drop them unsent (no communication)."""
+        building, self._building = self._building, {}
+        for entry in building.values():
+            entry.wire.exception()
+
+    def prefetch(self) -> None:
+        """Decode, on the worker thread, every gathered mask whose gather has already finished (no wait)."""
+        for target in sorted(self._in_flight):
+            pending = self._in_flight[target]
+            if not pending.work.is_completed():
+                continue
+            del self._in_flight[target]
+            pending.work.wait()
+            self._decoding[target] = _Decoding(pending.made_at, self._thread().submit(self._decode, pending.gathered))
+
+    def _decode(self, gathered: torch.Tensor) -> ShardedMask:
+        rows = gathered.view(self.world_size, self.piece_bytes)
+        pieces = [_from_wire(rows[r], self.shard_size, self.k, self.encoding) for r in range(self.world_size)]
+        mask = ShardedMask.from_pieces(pieces, self.numel, self.world_size)
+        mask.global_indices()  # build the index tensors once, now
+        return mask
+
+    def _drop_decoding(self) -> None:
+        decoding, self._decoding = self._decoding, {}
+        for entry in decoding.values():
+            entry.mask.exception()
 
     def install(self, step: int, mask: ShardedMask) -> None:
         """Use ``mask`` at ``step`` (e.g. a dense or restored mask); every rank must pass the same."""
@@ -175,8 +273,8 @@ class MaskSchedule:
         self._ready[step] = mask
 
     def scheduled(self, step: int) -> bool:
-        """Whether a mask for ``step`` is installed or being gathered (no wait, nothing dropped)."""
-        return step in self._ready or step in self._in_flight
+        """Whether a mask for ``step`` is installed, being built or being gathered (no wait, nothing dropped)."""
+        return step in self._ready or step in self._in_flight or step in self._building or step in self._decoding
 
     def mask_for(self, step: int) -> ShardedMask | None:
         """Return the mask of ``step``, waiting for its all-gather if it is still in flight.
@@ -186,18 +284,25 @@ class MaskSchedule:
         """
         for old in [s for s in self._ready if s < step]:
             del self._ready[old]
+        for old in [s for s in self._decoding if s < step]:
+            self._decoding.pop(old).mask.exception()
         if step in self._ready:
             return self._ready[step]
-        pending = self._in_flight.pop(step, None)
-        if pending is None:
-            return None
-        pending.work.wait()
-        rows = pending.gathered.view(self.world_size, self.piece_bytes)
-        pieces = [_from_wire(rows[r], self.shard_size, self.k, self.encoding) for r in range(self.world_size)]
-        mask = ShardedMask.from_pieces(pieces, self.numel, self.world_size)
-        mask.global_indices()  # build the index tensors once, now
+        if step in self._building:
+            self.settle()
+        decoding = self._decoding.pop(step, None)
+        if decoding is not None:
+            mask = decoding.mask.result()
+            made_at = decoding.made_at
+        else:
+            pending = self._in_flight.pop(step, None)
+            if pending is None:
+                return None
+            pending.work.wait()
+            mask = self._decode(pending.gathered)
+            made_at = pending.made_at
         self._ready[step] = mask
-        logger.debug("mask for step %d (made after step %d) ready", step, pending.made_at)
+        logger.debug("mask for step %d (made after step %d) ready", step, made_at)
         return mask
 
     def close(self) -> None:
@@ -206,7 +311,13 @@ class MaskSchedule:
         Collective: every rank must call this. A transport may still be
         writing into the buffers of an unfinished gather, so a schedule that
         is thrown away must be closed first (``with MaskSchedule(...)`` does it).
+        Pieces still being built are waited for and dropped unsent.
         """
+        self.discard_unsent()
+        self._drop_decoding()
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
         pending, self._in_flight = self._in_flight, {}
         for entry in pending.values():
             entry.work.wait()
@@ -218,8 +329,11 @@ class MaskSchedule:
         For a transport that has already been aborted (a failed epoch), where
         waiting could only fail. The work handles keep their buffers alive, so
         nothing is written into freed memory (torch transports; an MPI
-        transport must be closed with :meth:`close`).
+        transport must be closed with :meth:`close`). Pieces still being
+        built (pure compute, bounded) are waited for and dropped.
         """
+        self.discard_unsent()
+        self._drop_decoding()
         self._in_flight = {}
         self._ready.clear()
 
@@ -231,5 +345,5 @@ class MaskSchedule:
 
     @property
     def pending_steps(self) -> list[int]:
-        """Steps whose masks are still being gathered."""
-        return sorted(self._in_flight)
+        """Steps whose masks are still being built or gathered."""
+        return sorted([*self._in_flight, *self._building, *self._decoding])

@@ -8,6 +8,9 @@ initialisation on every rank) and, for each variant
 * ``adamw``: :class:`optim.ShardedAdamW` (dense ZeRO-1),
 * ``adams``: :class:`optim.ShardedAdamS` (dense ZeRO-1; the reference of the speedups),
 * ``scape@D``: :class:`optim.SCAPE` at each density ``D``,
+* ``scape@D/inline``: the same with ``background_proposal=False`` (the next
+  mask piece built inside ``opt.step()``, not beside the next forward and
+  backward; same selections bit for bit), when ``inline_rows`` is on,
 
 builds the optimizer exactly as the training job does
 (:func:`optim.train_job.train.build_optimizer`: weight decay on matrices, global-norm clip),
@@ -73,6 +76,7 @@ class OptimizerBenchConfig:
     steps: int = 10  # Timed steps per optimizer.
     warmup: int = 3  # Untimed steps per optimizer (must cover SCAPE's dense warm-up and first mask).
     densities: tuple[float, ...] = (0.1, 0.01)  # SCAPE densities.
+    inline_rows: bool = True  # Also time SCAPE with its mask piece built inside opt.step() (the old way).
     scape_warmup_steps: int = 1  # SCAPE: dense steps before sparsity starts.
     mask_delay: int = 1  # SCAPE: the mask made after step t is used at step t + 1 + mask_delay.
     lr: float = 1e-3  # Constant learning rate of every optimizer.
@@ -108,9 +112,12 @@ class OptimizerBenchConfig:
         """The benchmarked model shape (the training job's GPT, byte vocabulary)."""
         return self.train_config("adams").model_config()
 
-    def train_config(self, optimizer: str, density: float = 0.01, world_size: int | None = None) -> TrainConfig:
+    def train_config(
+        self, optimizer: str, density: float = 0.01, world_size: int | None = None, *, inline: bool = False
+    ) -> TrainConfig:
         """The :class:`TrainConfig` whose :func:`~optim.train_job.train.build_optimizer` builds one variant."""
         return TrainConfig(
+            background_proposal=not inline,
             optimizer=optimizer,
             nproc=world_size or self.nproc,
             lr=self.lr,
@@ -136,7 +143,10 @@ class OptimizerBenchConfig:
 def bench_variants(config: OptimizerBenchConfig) -> list[tuple[str, str, float]]:
     """``(name, TrainConfig.optimizer, density)`` of every variant, in run order."""
     out = [("adamw", "adamw", 1.0), ("adams", "adams", 1.0)]
-    out += [(f"scape@{d:g}", "scape", float(d)) for d in config.densities]
+    for d in config.densities:
+        out.append((f"scape@{d:g}", "scape", float(d)))
+        if config.inline_rows:
+            out.append((f"scape@{d:g}/inline", "scape", float(d)))
     return out
 
 
@@ -158,7 +168,7 @@ def _state_bytes(opt: Any) -> dict[str, int]:
 
 
 def _run_variant(
-    config: OptimizerBenchConfig, rank: int, world_size: int, optimizer: str, density: float
+    config: OptimizerBenchConfig, rank: int, world_size: int, optimizer: str, density: float, inline: bool
 ) -> dict[str, Any]:
     """Time one optimizer on this rank; return rank-local medians, bytes and state sizes."""
     torch.manual_seed(config.seed)
@@ -167,7 +177,7 @@ def _run_variant(
     comm = dist.get_communicator()
     stats = comm.stats
     with stats.scope("init"):
-        opt = build_optimizer(config.train_config(optimizer, density, world_size), model)
+        opt = build_optimizer(config.train_config(optimizer, density, world_size, inline=inline), model)
     scape = opt if isinstance(opt, SCAPE) else None
     is_scape = scape is not None
     step_s: list[float] = []
@@ -245,7 +255,7 @@ def optimizer_bench_worker(rank: int, world_size: int, config: OptimizerBenchCon
     results = []
     for name, optimizer, density in bench_variants(config):
         t0 = time.perf_counter()
-        r = _run_variant(config, rank, world_size, optimizer, density)
+        r = _run_variant(config, rank, world_size, optimizer, density, name.endswith("/inline"))
         results.append({"name": name, "optimizer": optimizer, "density": density, **r})
         logger.info(
             "rank %d: %s done in %.1f s (local median step %.1f ms)",

@@ -15,6 +15,20 @@ is the median over iterations, then the maximum over ranks; ``pack_us`` /
 ``unpack_us`` time the pack and unpack kernels alone; ``wire_bytes`` are the
 bytes this rank sent per call (byte accounting); ``mask_bytes`` the bytes this
 rank sent for one mask all-gather; ``speedup`` = dense time / this time.
+
+Bounds, measured in the same run (``mem_GBps``, ``*_bound_us``):
+
+* ``mem_GBps``: this machine's memory-streaming rate with every rank
+  streaming at once (a copy of a buffer far larger than the caches: bytes
+  read + bytes written over the time, the minimum over ranks);
+* ``pack_bound_us`` / ``unpack_bound_us``: the bytes pack (unpack) must move
+  at that rate: the index array, every cache line of the flat buffer that
+  holds a selected element (expected count for scattered positions), and
+  the packed values;
+* ``wire_bound_us``: the dense row's time scaled to this row's wire bytes
+  (the wire at the bandwidth the dense collective reached);
+* ``bound_us``: their sum, the time of a sparse collective that packs,
+  sends and unpacks at those rates one after the other.
 """
 
 from __future__ import annotations
@@ -53,6 +67,26 @@ def _max_over_ranks(values: list[float]) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
+
+
+_LINE = 64  # cache-line bytes
+_STREAM_BYTES = 1 << 27  # the streaming probe's buffer (128 MiB: far beyond any cache here)
+
+
+def _stream_gbps() -> float:
+    """Memory-streaming rate (GB/s, read + write) while every rank streams at once; min over ranks."""
+    src = torch.ones(_STREAM_BYTES // 4)
+    dst = torch.empty_like(src)
+    dist.barrier()
+    us = _median_us(lambda: dst.copy_(src), 5, 1)
+    return -_max_over_ranks([-(2 * _STREAM_BYTES / (us * 1e-6) / 1e9)])[0]
+
+
+def _index_bound_us(numel: int, elt: int, slots: int, density: float, gbps: float) -> float:
+    """Microseconds to move what one pack (or unpack) touches at ``gbps``."""
+    per_line = max(1, _LINE // elt)
+    lines = numel / per_line * (1.0 - (1.0 - density) ** per_line)  # lines holding >= 1 selected element
+    return (8 * slots + lines * _LINE + elt * slots) / (gbps * 1e3)
 
 
 def _mask(comm: Any, numel: int, density: float, rank: int) -> tuple[ShardedMask, MaskSchedule]:
@@ -121,6 +155,7 @@ def bench_sparse_rank(
     """
     comm = dist.get_communicator()
     n, rank = comm.world_size, comm.rank
+    gbps = _stream_gbps()
     rows: list[dict[str, Any]] = []
     for op in ops:
         for numel in numels:
@@ -128,6 +163,9 @@ def bench_sparse_rank(
                 dtype = _DTYPES[dname]
                 flat = torch.zeros(numel, dtype=dtype)
                 dense_us = _max_over_ranks([_median_us(_dense_call(op, flat, n), iters, warmup)])[0]
+                comm.stats.reset()
+                _dense_call(op, flat, n)()
+                dense_wire = comm.stats.get(op).bytes_sent
                 for density in densities:
                     row: dict[str, Any] = {
                         "kind": "sparse",
@@ -139,17 +177,19 @@ def bench_sparse_rank(
                         "density": density,
                     }
                     if density >= 1.0:
-                        comm.stats.reset()
-                        _dense_call(op, flat, n)()
-                        wire = comm.stats.get(op).bytes_sent
                         row.update(
                             time_us=dense_us,
                             pack_us=0.0,
                             unpack_us=0.0,
-                            wire_bytes=wire,
+                            wire_bytes=dense_wire,
                             mask_bytes=0,
                             mask_encoding="none",
                             speedup=1.0,
+                            mem_GBps=gbps,
+                            pack_bound_us=0.0,
+                            unpack_bound_us=0.0,
+                            wire_bound_us=dense_us,
+                            bound_us=dense_us,
                             **{"#wrong": 0},
                         )
                         rows.append(row)
@@ -170,7 +210,17 @@ def bench_sparse_rank(
                     t, p, u = _max_over_ranks([sparse_us, pack_us, unpack_us])
                     bad = torch.tensor([wrong], dtype=torch.int64)
                     dist.all_reduce(bad)
+                    slots = packed.numel() if op != "all_gather" else mask.k * n
+                    elt = flat.element_size()
+                    pack_b = _index_bound_us(numel, elt, slots, density, gbps) if op != "all_gather" else 0.0
+                    unpack_b = _index_bound_us(numel, elt, slots, density, gbps) if op != "reduce_scatter" else 0.0
+                    wire_b = dense_us * wire / dense_wire if dense_wire else 0.0
                     row.update(
+                        mem_GBps=gbps,
+                        pack_bound_us=pack_b,
+                        unpack_bound_us=unpack_b,
+                        wire_bound_us=wire_b,
+                        bound_us=pack_b + wire_b + unpack_b,
                         time_us=t,
                         pack_us=p,
                         unpack_us=u,

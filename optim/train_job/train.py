@@ -106,6 +106,7 @@ class TrainConfig:
     refresh_every: int = 0  # SCAPE: every this many steps a dense step (0: never).
     mask_score: str = "abs_m_theta"  # SCAPE: mask statistic (one of optim.MASK_SCORES).
     explore: float = 0.1  # SCAPE: fraction of k chosen round-robin instead of by score.
+    background_proposal: bool = True  # SCAPE on CPU: build the next mask piece beside the next forward/backward.
     batch: int = 16  # Sequences per rank per step.
     context: int = 64  # Tokens per sequence.
     d_model: int = 128  # Model width.
@@ -227,6 +228,7 @@ class TrainConfig:
             "refresh_every": self.refresh_every,
             "score": self.mask_score,
             "explore": self.explore,
+            "background_proposal": self.background_proposal,
         }
 
 

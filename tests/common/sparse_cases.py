@@ -7,6 +7,7 @@ rank can compute the single-process dense reference and sums are exact.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -175,14 +176,26 @@ def case_mask_provenance(rank: int, ws: int) -> int:
     checks = 0
     for delay in (0, 1, 2):
         for density in (0.3, 0.01):
-            with MaskSchedule(comm, numel=n, density=density, delay=delay) as sched:
-                checks += _provenance_steps(sched, rank, ws, n, delay)
+            for background in (False, True):
+                with MaskSchedule(comm, numel=n, density=density, delay=delay) as sched:
+                    checks += _provenance_steps(sched, rank, ws, n, delay, background)
+    with MaskSchedule(comm, numel=n, density=0.01, delay=1) as sched:  # a bad piece fails on every rank
+        sched.propose(0, lambda: torch.rand(3))
+        assert sched.scheduled(2) and sched.pending_steps == [2]
+        _expect(ValueError, "values for this rank's shard", sched.settle)
+        assert not sched.scheduled(2) and sched.mask_for(2) is None
+        sched.propose(1, lambda: _scores(1, rank, ws, n))
+        sched.discard_unsent()  # built, never sent: nothing in flight
+        assert sched.pending_steps == []
+        checks += 3
     return checks
 
 
-def _provenance_steps(sched: MaskSchedule, rank: int, ws: int, n: int, delay: int) -> int:
+def _provenance_steps(sched: MaskSchedule, rank: int, ws: int, n: int, delay: int, background: bool) -> int:
     checks = 0
     for step in range(6):
+        if background and step % 2:  # odd steps settle first (as SCAPE's step does); even ones let mask_for do it
+            sched.settle()
         mask = sched.mask_for(step)
         made = step - 1 - delay
         if made < 0:
@@ -192,7 +205,12 @@ def _provenance_steps(sched: MaskSchedule, rank: int, ws: int, n: int, delay: in
             pieces = [topk_piece(_scores(made, r, ws, n), sched.k, shard_size=size) for r in range(ws)]
             assert mask == ShardedMask.from_pieces(pieces, n, ws), (step, delay)
             checks += 1
-        sched.propose(step, _scores(step, rank, ws, n))
+        if background:
+            time.sleep(0.002 * (step % 3))  # some gathers finish before prefetch looks, some after
+            sched.prefetch()
+            sched.propose(step, lambda step=step: _scores(step, rank, ws, n))
+        else:
+            sched.propose(step, _scores(step, rank, ws, n))
         assert sched.pending_steps[-1] == step + 1 + delay
     return checks
 

@@ -6,7 +6,7 @@ import pytest
 
 from bindings.stats import ring_bytes
 from optim.cli.bench import format_optimizer_table
-from optim.benchmarks.optimizer import OptimizerBenchConfig, optimizer_bench_worker, summarize_ranks
+from optim.benchmarks.optimizer import OptimizerBenchConfig, bench_variants, optimizer_bench_worker, summarize_ranks
 from optim.train_job.model import GPT
 from tests.dist.harness import run_ranks
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.dist
 TINY = OptimizerBenchConfig(
     nproc=2, d_model=32, n_layers=1, n_heads=2, context=16, batch=1, steps=3, warmup=2, job_timeout_s=60.0
 )
-NAMES = ["adamw", "adams", "scape@0.1", "scape@0.01"]
+NAMES = ["adamw", "adams", "scape@0.1", "scape@0.1/inline", "scape@0.01", "scape@0.01/inline"]
 
 
 def test_config_rejects_a_warmup_that_would_time_dense_scape_steps() -> None:
@@ -35,7 +35,7 @@ def test_optimizer_bench_structure_and_sanity() -> None:
 
     n = GPT(TINY.model_config()).num_parameters()
     shard = -(-n // 2)
-    n_state = {"adamw": 3, "adams": 2, "scape@0.1": 2, "scape@0.01": 2}
+    n_state = {"adamw": 3, "adams": 2, "scape@0.1": 2, "scape@0.01": 2, "scape@0.1/inline": 2, "scape@0.01/inline": 2}
     for name, r in rows.items():
         assert r["num_parameters"] == n and r["param_bytes"] == 4 * n and r["shard_size"] == shard
         # Every rank holds exactly its shard of the master weights and of each state tensor.
@@ -56,16 +56,21 @@ def test_optimizer_bench_structure_and_sanity() -> None:
         assert by_op["reduce_scatter"] == rs and by_op["all_gather"] == ag
 
     # SCAPE: every timed step sparse, fewer wire bytes than dense, fewer at the lower density.
-    for name in ("scape@0.1", "scape@0.01"):
+    for name in ("scape@0.1", "scape@0.01", "scape@0.1/inline", "scape@0.01/inline"):
         r = rows[name]
         assert r["sparse_steps"] == TINY.steps
         assert "reduce_scatter" not in r["wire_bytes_per_step_by_op"]
         assert {"sparse_reduce_scatter", "sparse_all_gather"} <= set(r["wire_bytes_per_step_by_op"])
         assert r["wire_bytes_per_step"] < rows["adams"]["wire_bytes_per_step"]
     assert rows["scape@0.01"]["wire_bytes_per_step"] < rows["scape@0.1"]["wire_bytes_per_step"]
+    for d in ("0.1", "0.01"):  # where the mask piece is built moves no byte
+        assert rows[f"scape@{d}/inline"]["wire_bytes_per_step_by_op"] == rows[f"scape@{d}"]["wire_bytes_per_step_by_op"]
 
     assert rows["adams"]["speedup"] == pytest.approx(1.0)
     for r in rows.values():
         assert r["speedup"] == pytest.approx(rows["adams"]["step_ms"] / r["step_ms"])
     table = format_optimizer_table(bench).splitlines()
-    assert len(table) == 3 + len(NAMES) and table[-1].split()[0] == "scape@0.01"
+    assert len(table) == 4 + len(NAMES) and table[-1].split()[0] == "scape@0.01/inline"
+    assert OptimizerBenchConfig(inline_rows=False).densities and [
+        n for n, _, _ in bench_variants(OptimizerBenchConfig(inline_rows=False))
+    ] == ["adamw", "adams", "scape@0.1", "scape@0.01"]

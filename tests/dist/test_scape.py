@@ -291,6 +291,8 @@ def _rank_resume(rank: int, ws: int) -> dict:
     return {
         "a": _run_scape(rank, 10, None, kw),
         "b": _run_scape(rank, 10, None, kw),
+        "inline": _run_scape(rank, 10, None, dict(kw, background_proposal=False)),
+        "inline_split3": _run_scape(rank, 10, 3, dict(kw, background_proposal=False)),
         "split3": _run_scape(rank, 10, 3, kw),
         "split7": _run_scape(rank, 10, 7, kw),
         "d0": _run_scape(rank, 8, None, kw0),
@@ -302,6 +304,8 @@ def test_resume_and_determinism() -> None:
     res = run_ranks(_rank_resume, 2, timeout=120, op_timeout=60)
     for r in res:
         assert r["a"] == r["b"]  # determinism across two runs
+        assert r["inline"] == r["a"]  # the piece built beside the caller's compute == built inside step()
+        assert r["inline_split3"] == r["a"]
         assert r["split3"] == r["a"]
         assert r["split7"] == r["a"]
         assert r["d0_split4"] == r["d0"]
@@ -374,6 +378,11 @@ def _rank_bad_input(rank: int, ws: int) -> dict:
             lambda: SCAPE([torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))])
         ),
     }
+    try:
+        SCAPE(_params(), background_proposal=1)  # type: ignore[arg-type]
+        out["background"] = "ok"
+    except TypeError as exc:
+        out["background"] = f"TypeError: {exc}"
     ps = _params()  # the group still works afterwards
     opt = SCAPE(ps, density=0.5, warmup_steps=0, mask_delay=0)
     for t in range(3):
@@ -389,4 +398,5 @@ def test_bad_input_raises_on_every_rank() -> None:
     for r in res:
         for key in ("density0", "density1.5", "delay", "warmup", "policy", "extra_param", "shape", "setting", "dtype"):
             assert r[key].startswith("ValueError"), (key, r[key])
+        assert r["background"].startswith("TypeError"), r["background"]
         assert r["after"] == res[0]["after"]
