@@ -28,7 +28,10 @@ Bounds, measured in the same run (``mem_GBps``, ``*_bound_us``):
 * ``wire_bound_us``: the dense row's time scaled to this row's wire bytes
   (the wire at the bandwidth the dense collective reached);
 * ``bound_us``: their sum, the time of a sparse collective that packs,
-  sends and unpacks at those rates one after the other.
+  sends and unpacks at those rates one after the other;
+* ``speedup_bound``: dense time / ``bound_us``, the speedup such a collective
+  would reach here (overlapping the three would at best hide the smaller
+  ones behind the largest).
 """
 
 from __future__ import annotations
@@ -190,6 +193,7 @@ def bench_sparse_rank(
                             unpack_bound_us=0.0,
                             wire_bound_us=dense_us,
                             bound_us=dense_us,
+                            speedup_bound=1.0,
                             **{"#wrong": 0},
                         )
                         rows.append(row)
@@ -221,6 +225,7 @@ def bench_sparse_rank(
                         unpack_bound_us=unpack_b,
                         wire_bound_us=wire_b,
                         bound_us=pack_b + wire_b + unpack_b,
+                        speedup_bound=dense_us / (pack_b + wire_b + unpack_b),
                         time_us=t,
                         pack_us=p,
                         unpack_us=u,

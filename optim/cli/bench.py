@@ -63,13 +63,14 @@ def format_sparse_table(rows: list[dict[str, Any]]) -> str:
         f"{'op':>14} {'backend':>7} {'ws':>3} {'numel':>10} {'dtype':>8} {'density':>7} "
         f"{'time_us':>10} {'pack_us':>9} {'unpack_us':>9} {'wire_bytes':>11} {'mask_bytes':>10} "
         f"{'mask_enc':>12} {'speedup':>8} {'#wrong':>6} {'bound_us':>9} {'pack_bd':>8} {'wire_bd':>9} "
-        f"{'vs_bound':>8}"
+        f"{'vs_bound':>8} {'max_spdup':>9}"
     )
     gbps = min((r["mem_GBps"] for r in rows if "mem_GBps" in r), default=float("nan"))
     lines = [
         "# sparse rows: density 1 = the dense collective of the same op (baseline)",
         f"# bounds: memory streaming {gbps:.1f} GB/s (all ranks at once); pack_bd/unpack = bytes touched at that "
-        "rate; wire_bd = the dense row's time scaled to the row's wire bytes; bound = pack + wire + unpack bounds",
+        "rate; wire_bd = the dense row's time scaled to the row's wire bytes; bound = pack + wire + unpack bounds; "
+        "max_spdup = dense time / bound",
         head,
     ]
     for r in rows:
@@ -78,7 +79,8 @@ def format_sparse_table(rows: list[dict[str, Any]]) -> str:
             f"{r['density']:>7g} {r['time_us']:>10.1f} {r['pack_us']:>9.1f} {r['unpack_us']:>9.1f} "
             f"{r['wire_bytes']:>11} {r['mask_bytes']:>10} {r['mask_encoding']:>12} "
             f"{r['speedup']:>7.2f}x {r['#wrong']:>6} {r['bound_us']:>9.1f} {r['pack_bound_us']:>8.1f} "
-            f"{r['wire_bound_us']:>9.1f} {r['time_us'] / r['bound_us'] if r['bound_us'] else 0.0:>7.2f}x"
+            f"{r['wire_bound_us']:>9.1f} {r['time_us'] / r['bound_us'] if r['bound_us'] else 0.0:>7.2f}x "
+            f"{r['speedup_bound']:>8.2f}x"
         )
     return "\n".join(lines)
 

@@ -33,6 +33,7 @@ def test_sparse_rows_are_right_and_carry_their_bounds() -> None:
         # The wire bound is the dense row's time at this row's share of the dense row's bytes.
         assert r["wire_bound_us"] == pytest.approx(dense["time_us"] * r["wire_bytes"] / dense["wire_bytes"])
         assert r["bound_us"] == pytest.approx(r["pack_bound_us"] + r["wire_bound_us"] + r["unpack_bound_us"])
+        assert r["speedup_bound"] == pytest.approx(dense["time_us"] / r["bound_us"])
         if r["density"] < 1.0:
             assert r["wire_bytes"] < dense["wire_bytes"] and r["bound_us"] > 0
             # all_gather packs nothing (it sends its own k values); all_reduce packs and unpacks P*k of them.

@@ -316,6 +316,34 @@ def recv_timeout(c: MPICommunicator) -> None:
 
 
 @check
+def collective_timeout(c: MPICommunicator) -> None:
+    """A collective a peer joins late ends at the caller's deadline; the late peer still completes it."""
+    if c.world_size < 2:
+        return
+    tc = MPICommunicator(timeout=timedelta(milliseconds=300))
+    try:
+        t = torch.full((1 << 16,), float(c.rank + 1))
+        if c.rank == 0:
+            t0 = time.monotonic()
+            try:
+                tc.all_reduce(t)
+            except CommTimeoutError as exc:
+                assert "all_reduce" in str(exc), exc
+            else:
+                raise AssertionError("an all_reduce no peer joined did not time out")
+            took = time.monotonic() - t0
+            assert 0.25 <= took < 5, f"timeout took {took:.3f} s"
+            c.barrier()  # now the others join the call still running in the background
+        else:
+            c.barrier()
+            tc.all_reduce(t)
+            same("late all_reduce", t, torch.full((1 << 16,), float(sum(range(1, c.world_size + 1)))))
+        tc.barrier()  # the communicator is still in step
+    finally:
+        tc.close()
+
+
+@check
 def split(c: MPICommunicator) -> None:
     n, r = c.world_size, c.rank
     members = list(range(0, n, 2))
