@@ -28,7 +28,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from optim.train_job.train import SPARSE_OPTIMIZERS, TrainConfig, launch_local, wire_bytes_summary
+from optim.train_job.config import SPARSE_OPTIMIZERS, TrainConfig
+from optim.train_job.train import launch_local, wire_bytes_summary
 
 __all__ = [
     "DEFAULT_DENSITIES",

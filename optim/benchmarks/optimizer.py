@@ -46,9 +46,9 @@ import sparsecomm.distributed as dist
 from bindings.spawn import run_local
 from bindings.stats import op_delta
 from optim.scape import SCAPE
+from optim.train_job.config import TrainConfig, build_optimizer
 from optim.train_job.data import VOCAB_SIZE
 from optim.train_job.model import GPT, GPTConfig
-from optim.train_job.train import TrainConfig, build_optimizer
 
 __all__ = [
     "OptimizerBenchConfig",

@@ -50,8 +50,8 @@ from typing import Any
 
 from optim.checkpoint import CheckpointStore
 from optim.snapshot import decode_tree
+from optim.train_job.config import TrainConfig
 from optim.train_job.resilient import ResilienceConfig, run_resilient_training
-from optim.train_job.train import TrainConfig
 
 __all__ = ["PersistBenchConfig", "checkpoint_files", "run_persist_bench", "step_times"]
 

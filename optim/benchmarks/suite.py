@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from optim.benchmarks.convergence import METHODS, TARGETS, run_convergence
-from optim.train_job.train import TrainConfig
+from optim.train_job.config import TrainConfig
 
 __all__ = ["HORIZONS", "SETTINGS", "SUITE_BASE", "run_suite", "worst_case"]
 

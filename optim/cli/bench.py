@@ -22,7 +22,7 @@ from optim.cli.bench_checkpoint import add_checkpoint_parser
 from optim.cli.bench_hooks import add_hooks_parser
 from optim.cli.bench_recovery import add_recovery_parser
 from optim.cli.options import add_model_options, add_scape_options, densities_arg, model_settings, scape_settings
-from optim.train_job.train import TrainConfig
+from optim.train_job.config import TrainConfig
 
 __all__ = [
     "add_bench_parser",

@@ -10,9 +10,9 @@ import torch
 
 from optim.checkpoint import CheckpointError
 from optim.export import export_checkpoint
+from optim.train_job.config import build_optimizer
 from optim.train_job.resilient import train_config_from
 from optim.train_job.tasks import make_task
-from optim.train_job.train import build_optimizer
 
 __all__ = ["add_export_parser"]
 

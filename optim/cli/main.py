@@ -31,7 +31,8 @@ from optim.cli.export import add_export_parser
 from optim.cli.launch import add_launch_parsers
 from optim.cli.options import add_model_options, add_scape_options, model_settings, scape_settings
 from optim.cli.train_resilient import add_resilience_options, run_resilient_cmd, wants_resilience
-from optim.train_job.train import OPTIMIZERS, TrainConfig, run_training, wire_bytes_summary
+from optim.train_job.config import OPTIMIZERS, TrainConfig
+from optim.train_job.train import run_training, wire_bytes_summary
 
 __all__ = [
     "main",

@@ -10,8 +10,8 @@ from typing import Any
 from optim.benchmarks.output import write_bench_json
 from optim.local import LOCAL_SCHEDULES, NORMALIZERS
 from optim.scape import MASK_SCORES, UNSELECTED_POLICIES
+from optim.train_job.config import TrainConfig
 from optim.train_job.tasks import ARCHS, CORPORA, TASKS
-from optim.train_job.train import TrainConfig
 
 __all__ = ["add_model_options", "add_scape_options", "densities_arg", "model_settings", "scape_settings"]
 

@@ -9,8 +9,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from optim.train_job.config import TrainConfig
 from optim.train_job.resilient import RECOVERY_MODES, ResilienceConfig, failure_timeline, run_resilient_training
-from optim.train_job.train import TrainConfig
 
 __all__ = ["add_resilience_options", "wants_resilience", "run_resilient_cmd"]
 

@@ -39,8 +39,9 @@ from bindings.errors import CommError
 from bindings.store import open_store
 from optim.resilient import ResilientConfig, ResilientTraining
 from optim.snapshot import UnrecoverableStateError
+from optim.train_job.config import TrainConfig, build_optimizer
 from optim.train_job.tasks import make_task
-from optim.train_job.train import TrainConfig, _evaluate, build_optimizer, train_step
+from optim.train_job.train import _evaluate, train_step
 from resilient_comm.events import ProcessEvents, read_event_dir
 from resilient_comm.keys import COMMITTED
 from resilient_comm.launcher import LaunchConfig, Launcher

@@ -33,7 +33,6 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -44,21 +43,14 @@ import sparsecomm.distributed as dist
 from bindings.launch import detect_launch
 from bindings.spawn import run_local
 from bindings.stats import op_delta
-from optim.local import LOCAL_SCHEDULES, NORMALIZERS, LocalAdamS, TopKAdamS
-from optim.scape import MASK_SCORES, SCAPE, UNSELECTED_POLICIES
-from optim.sharded import ShardedAdamS, ShardedAdamW
-from optim.train_job.data import DEFAULT_MAX_BYTES
-from optim.train_job.model import GPTConfig
-from optim.train_job.tasks import Task, TaskSpec, make_task
+from optim.local import LocalAdamS, TopKAdamS
+from optim.scape import SCAPE
+from optim.train_job.config import TrainConfig, build_optimizer, lr_at
+from optim.train_job.tasks import Task, make_task
 
 __all__ = [
-    "OPTIMIZERS",
-    "SPARSE_OPTIMIZERS",
-    "TrainConfig",
     "OnStep",
     "Worker",
-    "lr_at",
-    "build_optimizer",
     "wire_bytes_summary",
     "train_worker",
     "launch_local",
@@ -67,217 +59,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-OPTIMIZERS = ("adamw", "adams", "scape", "local-adams", "topk-adams", "allreduce-adamw")
-"""Choices of ``TrainConfig.optimizer``: ShardedAdamW, ShardedAdamS, SCAPE, LocalAdamS,
-TopKAdamS, and the original bucket all-reduce + :class:`torch.optim.AdamW`."""
-
-SPARSE_OPTIMIZERS = ("scape", "local-adams", "topk-adams")
-"""The choices that take ``density`` and ``sparse_warmup_steps``."""
-
 OnStep = Callable[[dict[str, Any]], None]
 """Per-step callback; receives the step record (plus ``val_loss`` on evaluation steps)."""
 Worker = Callable[["TrainConfig", int, int, "OnStep | None"], dict[str, Any]]
 """Signature of :func:`train_worker` (``config, rank, world_size, on_step``)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrainConfig:
-    """Everything that determines a training run."""
-
-    steps: int = 300  # Optimizer steps.
-    nproc: int = 4  # Local processes to spawn (ignored when a launcher started the job).
-    backend: str = "gloo"  # ``gloo`` or ``mpi`` (``mpi`` needs mpirun).
-    lr: float = 3e-3  # Peak learning rate.
-    min_lr_ratio: float = 0.1  # Final learning rate of the cosine schedule, relative to ``lr``.
-    warmup_steps: int = 30  # Steps of linear warm-up.
-    weight_decay: float = 0.1  # Decoupled weight decay (matrices only).
-    grad_clip: float = 1.0  # Global gradient-norm clip (0 disables).
-    optimizer: str = "adamw"  # One of OPTIMIZERS.
-    betas: tuple[float, float] = (0.9, 0.95)  # Adam / AdamS betas.
-    eps: float = 1e-8  # Adam / AdamS epsilon.
-    density: float = 0.01  # SCAPE, LocalAdamS, TopKAdamS: fraction of the dense bytes per step.
-    mask_delay: int = 1  # SCAPE: mask made after step t is used at step t + 1 + mask_delay.
-    sparse_warmup_steps: int = 10  # SCAPE, LocalAdamS, TopKAdamS: dense steps before sparsity starts.
-    local_schedule: str = "staggered"  # LocalAdamS: staggered | periodic averaging.
-    local_wire: str = "bfloat16"  # LocalAdamS: bfloat16 changes since the last average | float32 values.
-    local_normalizer: str = "debiased"  # LocalAdamS: debiased | local (see optim.LocalAdamS).
-    unselected: str = "decay_m"  # SCAPE: policy of unselected coordinates (freeze | decay_m).
-    error_feedback: bool = False  # SCAPE: keep the unsent gradient as a local residual.
-    refresh_every: int = 0  # SCAPE: every this many steps a dense step (0: never).
-    mask_score: str = "abs_m_theta"  # SCAPE: mask statistic (one of optim.MASK_SCORES).
-    explore: float = 0.1  # SCAPE: fraction of k chosen round-robin instead of by score.
-    background_proposal: bool = True  # SCAPE on CPU: build the next mask piece beside the next forward/backward.
-    batch: int = 16  # Sequences per rank per step.
-    context: int = 64  # Tokens per sequence.
-    d_model: int = 128  # Model width.
-    n_layers: int = 2  # Transformer blocks.
-    n_heads: int = 4  # Attention heads.
-    seed: int = 0  # Seed of the initialisation and of the data order.
-    task: str = "text"  # ``text`` (byte LM) or ``digits`` (MLP on scikit-learn's digits).
-    corpus: str = "stdlib"  # Text task without ``data``: stdlib | pydoc | synthetic.
-    arch: str = "gpt"  # Text task model family: gpt | encoder.
-    out: str = "runs/train"  # Output directory of ``report.json`` and ``report.png``.
-    data: str | None = None  # Text file to train on; ``None`` for the standard-library corpus.
-    max_corpus_bytes: int = DEFAULT_MAX_BYTES  # Size cap of the standard-library corpus.
-    val_fraction: float = 0.05  # Held-out tail of the text.
-    eval_interval: int = 50  # Steps between validation passes (0: only at step 0 and the end).
-    eval_batches: int = 4  # Validation batches per rank per pass.
-    threads: int = 1  # ``torch.set_num_threads`` in every rank.
-    comm_timeout_s: float = 120.0  # Deadline of every collective.
-    job_timeout_s: float = 900.0  # Deadline of the whole local job (spawn to last exit).
-
-    def __post_init__(self) -> None:
-        positive = ("steps", "nproc", "batch", "context", "d_model", "n_layers", "n_heads")
-        for name in positive + ("eval_batches", "threads", "max_corpus_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup_steps", "eval_interval", "weight_decay", "grad_clip"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
-        if not 0.0 < self.density <= 1.0:
-            raise ValueError(f"density must be in (0, 1], got {self.density}")
-        for name in ("mask_delay", "sparse_warmup_steps", "refresh_every"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.local_wire not in ("float32", "bfloat16"):
-            raise ValueError(f"local_wire must be 'float32' or 'bfloat16', got {self.local_wire!r}")
-        if self.local_normalizer not in NORMALIZERS:
-            raise ValueError(f"local_normalizer must be one of {NORMALIZERS}, got {self.local_normalizer!r}")
-        if self.local_schedule not in LOCAL_SCHEDULES:
-            raise ValueError(f"local_schedule must be one of {LOCAL_SCHEDULES}, got {self.local_schedule!r}")
-        if self.unselected not in UNSELECTED_POLICIES:
-            raise ValueError(f"unselected must be one of {UNSELECTED_POLICIES}, got {self.unselected!r}")
-        if self.mask_score not in MASK_SCORES:
-            raise ValueError(f"mask_score must be one of {MASK_SCORES}, got {self.mask_score!r}")
-        if self.mask_score == "abs_m_residual" and not self.error_feedback:
-            raise ValueError("mask_score 'abs_m_residual' needs error_feedback")
-        if not 0.0 <= self.explore < 1.0:
-            raise ValueError(f"explore must be in [0, 1), got {self.explore}")
-        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas) or not self.eps > 0:
-            raise ValueError(f"bad betas {self.betas} or eps {self.eps}")
-        if self.backend not in ("gloo", "mpi"):
-            raise ValueError(f"backend must be 'gloo' or 'mpi', got {self.backend!r}")
-        if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"bad learning rate lr={self.lr} min_lr_ratio={self.min_lr_ratio}")
-        if self.comm_timeout_s <= 0 or self.job_timeout_s <= 0:
-            raise ValueError("timeouts must be positive")
-        self.task_spec()  # validates the task and the model shape
-
-    def task_spec(self) -> TaskSpec:
-        """Return the task fields of this run."""
-        return TaskSpec(
-            task=self.task,
-            corpus=self.corpus,
-            arch=self.arch,
-            data=self.data,
-            max_corpus_bytes=self.max_corpus_bytes,
-            val_fraction=self.val_fraction,
-            batch=self.batch,
-            context=self.context,
-            d_model=self.d_model,
-            n_layers=self.n_layers,
-            n_heads=self.n_heads,
-            seed=self.seed,
-        )
-
-    def model_config(self) -> GPTConfig:
-        """Return the transformer shape of this run (text task)."""
-        return self.task_spec().gpt_config()
-
-    def optimizer_config(self) -> dict[str, Any]:
-        """Return the optimizer's name, class and constructor settings (JSON-serialisable)."""
-        common: dict[str, Any] = {
-            "lr": self.lr,
-            "betas": list(self.betas),
-            "eps": self.eps,
-            "weight_decay": self.weight_decay,
-        }
-        if self.optimizer == "allreduce-adamw":
-            return {"name": self.optimizer, "class": "torch.optim.AdamW", "grad_clip": self.grad_clip, **common}
-        cls = _CLASSES[self.optimizer]
-        out = {"name": self.optimizer, "class": f"optim.{cls.__name__}", **common, "max_grad_norm": self.grad_clip}
-        out.update(self.sparse_kwargs())
-        return out
-
-    def sparse_kwargs(self) -> dict[str, Any]:
-        """The constructor arguments of the sparse choices beyond the dense ones (``{}`` for dense ones)."""
-        if self.optimizer == "scape":
-            return self.scape_kwargs()
-        if self.optimizer == "local-adams":
-            return {
-                "density": self.density,
-                "schedule": self.local_schedule,
-                "warmup_steps": self.sparse_warmup_steps,
-                "wire_dtype": self.local_wire,
-                "normalizer": self.local_normalizer,
-            }
-        if self.optimizer == "topk-adams":
-            return {"density": self.density, "warmup_steps": self.sparse_warmup_steps}
-        return {}
-
-    def scape_kwargs(self) -> dict[str, Any]:
-        """The SCAPE-only constructor arguments of this config."""
-        return {
-            "density": self.density,
-            "mask_delay": self.mask_delay,
-            "warmup_steps": self.sparse_warmup_steps,
-            "unselected": self.unselected,
-            "error_feedback": self.error_feedback,
-            "refresh_every": self.refresh_every,
-            "score": self.mask_score,
-            "explore": self.explore,
-            "background_proposal": self.background_proposal,
-        }
-
-
-def build_optimizer(config: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
-    """Build ``config.optimizer`` over ``model``'s parameters (collective for the sharded ones).
-
-    Weight decay applies to parameters with ``dim() >= 2`` only, for every choice.
-    """
-    params = [p for p in model.parameters() if p.requires_grad]
-    if config.optimizer == "allreduce-adamw":
-        decay = [p for p in params if p.dim() >= 2]
-        no_decay = [p for p in params if p.dim() < 2]
-        return torch.optim.AdamW(
-            [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=config.lr,
-            betas=config.betas,
-            eps=config.eps,
-        )
-    kw: dict[str, Any] = {
-        "lr": config.lr,
-        "betas": config.betas,
-        "eps": config.eps,
-        "weight_decay": config.weight_decay,
-        "max_grad_norm": config.grad_clip,
-    }
-    sparse = config.sparse_kwargs()
-    if "wire_dtype" in sparse:
-        sparse["wire_dtype"] = getattr(torch, sparse["wire_dtype"])
-    opt: torch.optim.Optimizer = _CLASSES[config.optimizer](params, **kw, **sparse)
-    return opt
-
-
-_CLASSES: dict[str, type[torch.optim.Optimizer]] = {
-    "adamw": ShardedAdamW,
-    "adams": ShardedAdamS,
-    "scape": SCAPE,
-    "local-adams": LocalAdamS,
-    "topk-adams": TopKAdamS,
-}
-
-
-def lr_at(config: TrainConfig, step: int) -> float:
-    """Return the learning rate of 1-based ``step``: linear warm-up, then cosine decay."""
-    if config.warmup_steps and step <= config.warmup_steps:
-        return config.lr * step / config.warmup_steps
-    span = max(1, config.steps - config.warmup_steps)
-    progress = min(1.0, (step - config.warmup_steps) / span)
-    floor = config.lr * config.min_lr_ratio
-    return floor + 0.5 * (config.lr - floor) * (1.0 + math.cos(math.pi * progress))
 
 
 def _check_identical_init(model: torch.nn.Module) -> None:

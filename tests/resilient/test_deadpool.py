@@ -31,8 +31,8 @@ from typing import Any
 
 import pytest
 
+from optim.train_job.config import TrainConfig
 from optim.train_job.resilient import ResilienceConfig, run_resilient_training
-from optim.train_job.train import TrainConfig
 from resilient_comm.events import read_event_dir
 from tests.resilient.harness import wait_until
 

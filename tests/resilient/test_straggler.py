@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from optim.train_job.config import TrainConfig
 from optim.train_job.resilient import ResilienceConfig, run_resilient_training
-from optim.train_job.train import TrainConfig
 
 pytestmark = pytest.mark.dist
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from optim.benchmarks.suite import SETTINGS, SUITE_BASE, worst_case
+from optim.train_job.config import TrainConfig
 from optim.train_job.tasks import TaskSpec, make_task, synthetic_text
-from optim.train_job.train import TrainConfig
 
 
 def test_synthetic_text_is_deterministic_and_structured() -> None:
