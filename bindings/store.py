@@ -1,12 +1,29 @@
-"""The key-value store of a job's control plane: torch's ``TCPStore`` (no home-made server)."""
+"""The key-value store of a job's control plane: torch's ``TCPStore`` (no home-made server).
+
+A ``TCPStore`` client call waits on its socket past the store's own timeout
+when the connection goes silent (a cut link: no reset, no answer; measured:
+a ``check`` with a 2 s timeout still waiting after 60 s). :class:`BoundedStore`
+makes each call on one thread of its own and gives the caller up at the
+deadline with :class:`~bindings.errors.CommTimeoutError`; after that the store
+counts as unreachable and every later call fails at once (the stuck call may
+still return on its thread; its answer is dropped).
+"""
 
 from __future__ import annotations
 
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import timedelta
+from typing import Any
 
 from torch.distributed import PrefixStore, Store, TCPStore
 
-__all__ = ["Store", "open_store", "prefix_store"]
+from bindings.errors import CommTimeoutError
+
+__all__ = ["Store", "BoundedStore", "open_store", "prefix_store"]
 
 
 def open_store(host: str, port: int, *, server: bool, timeout: timedelta) -> TCPStore:
@@ -20,3 +37,70 @@ def open_store(host: str, port: int, *, server: bool, timeout: timedelta) -> TCP
 def prefix_store(prefix: str, store: Store) -> Store:
     """A view of ``store`` whose keys all start with ``prefix`` (one per transport epoch)."""
     return PrefixStore(prefix, store)
+
+
+class BoundedStore:
+    """The store calls of a control-plane client, each ended by a deadline even on a silent connection.
+
+    Args:
+        store: The store (one connection, used only through this object from now on).
+        timeout: Deadline of each call.
+        name: What the store is, for error messages (e.g. the coordinator's address).
+    """
+
+    def __init__(self, store: Store, timeout: timedelta, name: str) -> None:
+        self._store = store
+        self._timeout = timeout.total_seconds()
+        self._name = name
+        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._lost: str | None = None
+        self._thread = threading.Thread(target=self._serve, name=f"sparsecomm-store-{name}", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fut, fn, args = job
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(exc)
+
+    def _call(self, op: str, fn: Callable[..., Any], *args: Any) -> Any:
+        if self._lost is not None:
+            raise CommTimeoutError(self._lost)
+        fut: Future[Any] = Future()
+        self._jobs.put((fut, fn, args))
+        try:
+            return fut.result(self._timeout)
+        except FutureTimeout:
+            fut.cancel()
+            self._lost = f"store {self._name}: {op} got no answer within {self._timeout:g} s (unreachable)"
+            raise CommTimeoutError(self._lost) from None
+
+    @property
+    def lost(self) -> str | None:
+        """Why the store counts as unreachable (``None``: it does not)."""
+        return self._lost
+
+    def add(self, key: str, value: int) -> int:
+        return int(self._call("add", self._store.add, key, value))
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._call("set", self._store.set, key, value)
+
+    def get(self, key: str) -> bytes:
+        return bytes(self._call("get", self._store.get, key))
+
+    def check(self, keys: Sequence[str]) -> bool:
+        return bool(self._call("check", self._store.check, list(keys)))
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        return bytes(self._call("compare_set", self._store.compare_set, key, expected, desired))
+
+    def close(self) -> None:
+        """Stop the call thread once the calls posted so far are done (it is a daemon if one is stuck)."""
+        self._jobs.put(None)

@@ -143,12 +143,11 @@ class FaultAwareCommunicator(BaseCommunicator):
             raise ValueError(f"connect: set address and job (or {ENV_ADDRESS} and {ENV_JOB})")
         role = role if role is not None else os.environ.get(ENV_ROLE, "active")
         if slot is None:
-            env = next(
-                (os.environ[v] for v in (ENV_SLOT, "RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID") if v in os.environ),
-                None,
-            )
+            names = (ENV_SLOT, "RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
+            env = next((os.environ[v] for v in names if v in os.environ), None)
             slot = int(env) if env is not None and role == "active" else -1
-        membership = StoreMembership(address, job, role=role, slot=slot, heartbeat_interval=heartbeat_interval)
+        beat = heartbeat_interval
+        membership = StoreMembership(address, job, role=role, slot=slot, heartbeat_interval=beat, timeout=timeout)
         try:
             return cls(
                 membership,

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from datetime import timedelta
 
 from bindings.errors import CommTimeoutError
-from bindings.store import Store, open_store, prefix_store
+from bindings.store import BoundedStore, Store, open_store, prefix_store
 from resilient_comm import keys
 from resilient_comm.errors import MembershipError
 from resilient_comm.view import ROLES, MemberInfo, View, decode_json
@@ -45,6 +45,11 @@ def _connect(host: str, port: int, timeout: timedelta) -> Store:
     return open_store(host, port, server=False, timeout=timeout)
 
 
+def _bounded(host: str, port: int, timeout: timedelta) -> BoundedStore:
+    """A client connection whose every call ends by ``timeout``, even when the link to the coordinator goes silent."""
+    return BoundedStore(_connect(host, port, timeout), timeout, f"{host}:{port}")
+
+
 class StoreMembership:
     """Registers this process with the coordinator and keeps it alive there.
 
@@ -54,7 +59,8 @@ class StoreMembership:
         role: ``active`` (takes a slot of the first epoch) or ``spare``.
         slot: The slot an active member asks for (``-1``: any).
         heartbeat_interval: Period of heartbeats and of the abort watch.
-        timeout: Deadline of each store operation.
+        timeout: Deadline of each store operation (a silent link to the
+            coordinator ends it too: :class:`~bindings.errors.CommTimeoutError`).
 
     Raises:
         ValueError: Bad arguments.
@@ -87,7 +93,7 @@ class StoreMembership:
         self.job = job
         self._interval = heartbeat_interval.total_seconds()
         self._address, self._timeout = (host, port), timeout
-        self._store = _connect(host, port, timeout)
+        self._store = _bounded(host, port, timeout)
         have = self._store.get(keys.JOB).decode()
         if have != job:
             raise MembershipError(f"job: this coordinator runs job {have!r}, not {job!r}")
@@ -103,7 +109,7 @@ class StoreMembership:
             job=job,
         )
         self._store.set(keys.member(self.index), self.info.to_json())
-        self._watch_store = _connect(host, port, timeout)
+        self._watch_store = _bounded(host, port, timeout)
         self._watch_epoch = -1  # the epoch whose abort the watcher looks for (-1: none)
         self._aborted_upto = -1  # newest epoch whose abort was seen
         self._on_abort: Callable[[int], None] | None = None

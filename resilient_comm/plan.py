@@ -145,7 +145,9 @@ def plan_next_epoch(
     survivors = world_size - len(lost)
     why = quorum(survivors, world_size)
     if why is not None:
-        raise MembershipError(f"no quorum: {survivors} of epoch {epoch}'s {world_size} members survived ({why})")
+        raise MembershipError(
+            f"no quorum: {survivors} of epoch {epoch}'s {world_size} members survived, slots {list(lost)} lost ({why})"
+        )
     promoted: dict[int, int] = {}
     if mode == "hotswap":
         candidates = iter(m for m in spares if m not in gone)

@@ -30,6 +30,12 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--heartbeat-timeout", type=_seconds, default=timedelta(seconds=2), help="seconds of silence = hung (2)"
     )
+    p.add_argument(
+        "--stall-grace",
+        type=_seconds,
+        default=timedelta(seconds=20),
+        help="seconds more before silence alone may take away the majority (20)",
+    )
     p.add_argument("--events", default=None, help="JSON-lines events file")
     p.add_argument("--host", default="127.0.0.1", help="address the coordinator binds to (loopback)")
     p.add_argument("--port", type=int, default=0, help="coordinator port (0: any free one)")
@@ -86,6 +92,7 @@ def _cmd_launch(args: argparse.Namespace) -> int:
             mode=args.mode,
             min_world_size=args.min_world_size,
             heartbeat_timeout=args.heartbeat_timeout,
+            stall_grace=args.stall_grace,
             events=args.events,
             host=args.host,
             port=args.port,
@@ -105,6 +112,7 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
             min_world_size=args.min_world_size,
             heartbeat_timeout=args.heartbeat_timeout,
             ack_timeout=args.heartbeat_timeout,
+            stall_grace=args.stall_grace,
             events=args.events,
             host=args.host,
             port=args.port,
