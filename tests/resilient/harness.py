@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 from resilient_comm.events import read_event_dir, read_events
 from resilient_comm.launcher import LaunchConfig, Launcher
 
-__all__ = ["DrillJob", "REPO_ROOT", "check_contiguous", "wait_until"]
+__all__ = ["DrillJob", "REPO_ROOT", "check_contiguous", "kill_all", "wait_until"]
 
 REPO_ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -39,6 +39,22 @@ def wait_until(pred: Callable[[], T], timeout: float, what: str, interval: float
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(interval)
+
+
+def kill_all(procs: list[subprocess.Popen[bytes]]) -> None:
+    """Resume (SIGCONT) and kill (SIGKILL) every process still running, then reap them (10 s each at most)."""
+    for p in procs:
+        if p.poll() is None:
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.kill(p.pid, sig)
+                except ProcessLookupError:
+                    pass
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 def check_contiguous(records: list[dict[str, Any]]) -> list[int]:
@@ -126,18 +142,7 @@ class DrillJob:
 
     def cleanup(self) -> None:
         """Resume stopped processes and kill every process still running; stop the coordinator."""
-        for p in self.processes():
-            if p.poll() is None:
-                for sig in (signal.SIGCONT, signal.SIGKILL):
-                    try:
-                        os.kill(p.pid, sig)
-                    except ProcessLookupError:
-                        pass
-        for p in self.processes():
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
+        kill_all(self.processes())
         if self._thread is not None:
             self._thread.join(timeout=20)
         self.coordinator.stop()

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 from collections.abc import Mapping, Sequence
+
+from tests.resilient.harness import kill_all
 
 __all__ = ["Hosts", "unavailable"]
 
@@ -116,18 +117,7 @@ class Hosts:
 
     def close(self) -> None:
         """Kill every process started here, then remove the namespaces and the bridge."""
-        for proc in self._procs:
-            if proc.poll() is None:
-                for sig in (signal.SIGCONT, signal.SIGKILL):
-                    try:
-                        os.kill(proc.pid, sig)
-                    except ProcessLookupError:
-                        pass
-        for proc in self._procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
+        kill_all(self._procs)
         for i in range(len(self._made)):  # deleting one end removes the pair at once (sockets left on a cut
             _ip("link", "del", self._outer(i), check=False)  # link would keep the namespace and its link)
         for ns in self._made:
