@@ -98,7 +98,10 @@ class BoundedStore:
     def check(self, keys: Sequence[str]) -> bool:
         return bool(self._call("check", self._store.check, list(keys)))
 
-    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        return [bytes(v) for v in self._call("multi_get", self._store.multi_get, list(keys))]
+
+    def compare_set(self, key: str, expected: str, desired: str | bytes) -> bytes:
         return bytes(self._call("compare_set", self._store.compare_set, key, expected, desired))
 
     def close(self) -> None:

@@ -414,7 +414,7 @@ class FaultAwareCommunicator(BaseCommunicator):
             raise MembershipError("commit: this member is not in an epoch")
         limit = self.timeout if timeout is None else timeout
         ok = bool(ok) and not self._epoch_failed(view.epoch)
-        if not self._m.vote(view.epoch, step, view.world_size, ok, time.monotonic() + limit.total_seconds()):
+        if not self._m.vote(view.epoch, step, view.members, ok, time.monotonic() + limit.total_seconds()):
             return False
         self._committed = max(self._committed, step)
         return True

@@ -37,93 +37,22 @@ import queue
 import socket
 import threading
 import time
-import uuid
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from bindings.store import Store, open_store
+from bindings.store import open_store
 from resilient_comm import keys
+from resilient_comm.auth import ControlStore, RecordError
+from resilient_comm.config import CoordinatorConfig
 from resilient_comm.errors import MembershipError
 from resilient_comm.events import EventLog
+from resilient_comm.inbox import Inbox
 from resilient_comm.plan import majority, plan_next_epoch
-from resilient_comm.view import MODES, MemberInfo, View, decode_json
+from resilient_comm.view import MemberInfo, View, decode_json
 
 __all__ = ["Coordinator", "CoordinatorConfig"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True)
-class CoordinatorConfig:
-    """Settings of one job's coordinator.
-
-    Attributes:
-        world_size: Active members of the first epoch.
-        job: Job id; members presenting another id are refused.
-        host: Address the store binds to (loopback unless told otherwise).
-        port: Store port (0: any free port).
-        mode: ``hotswap`` or ``shrink`` (see :data:`resilient_comm.view.MODES`).
-        min_world_size: No epoch with fewer members forms; the job fails instead.
-        heartbeat_timeout: A member whose heartbeat counter did not move for this
-            long is dead (this is what catches a hung, e.g. SIGSTOPped, process).
-        ack_timeout: How long a reconfiguration waits for acknowledgements.
-        configure_timeout: How long members may take to build an epoch's transport.
-        stall_grace: Extra time given to silent members when declaring them dead on
-            silence alone would leave no majority (see step 3 above); after it the
-            job fails with a clear error, it never hangs.
-        start_timeout: How long to wait for the first ``world_size`` members.
-        spares: Spares started with the job (by the launcher): the first epoch
-            waits for them to register as well, up to ``spare_wait``, so that a
-            failure in the first steps finds them (a hot-swap, not a shrink).
-        spare_wait: How long the first epoch waits for those spares.
-        poll_interval: Period of the control loop.
-        events: File for the JSON-lines event log (``None``: memory only).
-    """
-
-    world_size: int
-    job: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
-    host: str = "127.0.0.1"
-    port: int = 0
-    mode: str = "hotswap"
-    min_world_size: int = 1
-    heartbeat_timeout: timedelta = timedelta(seconds=2)
-    ack_timeout: timedelta = timedelta(seconds=2)
-    configure_timeout: timedelta = timedelta(seconds=30)
-    stall_grace: timedelta = timedelta(seconds=20)
-    start_timeout: timedelta = timedelta(seconds=120)
-    spares: int = 0
-    spare_wait: timedelta = timedelta(seconds=30)
-    poll_interval: timedelta = timedelta(milliseconds=10)
-    events: str | None = None
-
-    def __post_init__(self) -> None:
-        if isinstance(self.spares, bool) or not isinstance(self.spares, int) or self.spares < 0:
-            raise ValueError(f"spares: must be an int >= 0, got {self.spares!r}")
-        for name in ("world_size", "min_world_size"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}: must be an int >= 1, got {v!r}")
-        if self.min_world_size > self.world_size:
-            raise ValueError(f"min_world_size ({self.min_world_size}) is larger than world_size ({self.world_size})")
-        if self.mode not in MODES:
-            raise ValueError(f"mode: must be one of {MODES}, got {self.mode!r}")
-        if not isinstance(self.job, str) or not self.job or "/" in self.job:
-            raise ValueError(f"job: must be a non-empty string without '/', got {self.job!r}")
-        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port < 65536:
-            raise ValueError(f"port: must be in [0, 65536), got {self.port!r}")
-        for name in (
-            "heartbeat_timeout",
-            "ack_timeout",
-            "configure_timeout",
-            "stall_grace",
-            "start_timeout",
-            "spare_wait",
-            "poll_interval",
-        ):
-            v = getattr(self, name)
-            if not isinstance(v, timedelta) or v.total_seconds() <= 0:
-                raise ValueError(f"{name}: must be a positive datetime.timedelta, got {v!r}")
 
 
 class _JobFailed(Exception):
@@ -149,7 +78,7 @@ class Coordinator:
             raise TypeError(f"config: expected a CoordinatorConfig, got {type(config).__name__}")
         self.config = config
         self.log = EventLog(config.events)
-        self._store: Store | None = None
+        self._store: ControlStore | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._exits: queue.Queue[tuple[int, int]] = queue.Queue()
@@ -159,8 +88,8 @@ class Coordinator:
         self._dead: set[int] = set()
         self._left: set[int] = set()
         self._spares: list[int] = []
-        self._seen_members = 0
-        self._seen_suspects = 0
+        self._registrations: Inbox | None = None
+        self._suspicions: Inbox | None = None
         self._suspected: set[int] = set()  # epochs with a suspicion not yet acted on
         self._stalled: set[str] = set()  # kinds of silence without quorum being waited out (logged once each)
         self._view: View | None = None
@@ -173,8 +102,14 @@ class Coordinator:
         if self._store is not None:
             raise RuntimeError("coordinator: already started")
         cfg = self.config
-        self._store = open_store(cfg.host, cfg.port, server=True, timeout=timedelta(seconds=30))
-        self._store.set(keys.JOB, cfg.job)
+        raw = open_store(cfg.host, cfg.port, server=True, timeout=timedelta(seconds=30))
+        if cfg.secret is not None:
+            raw.set(keys.AUTH, keys.AUTH_HMAC.decode())
+        self._store = store = ControlStore(raw, cfg.secret)
+        patience = (cfg.heartbeat_timeout + cfg.stall_grace).total_seconds()
+        self._registrations = Inbox(store, keys.MEMBERS_NEXT, keys.member, patience)
+        self._suspicions = Inbox(store, keys.SUSPECT_NEXT, keys.suspect, patience)
+        store.set(keys.JOB, cfg.job)
         self._store.set(keys.EPOCH, "-1")
         self._thread = threading.Thread(target=self._run, name="sparsecomm-coordinator", daemon=True)
         self._thread.start()
@@ -203,7 +138,7 @@ class Coordinator:
         host = self.config.host
         if host in ("", "0.0.0.0", "::"):
             host = socket.gethostname()
-        return f"{host}:{self._store.port}"  # type: ignore[attr-defined]
+        return f"{host}:{self._store.raw.port}"  # type: ignore[attr-defined]
 
     @property
     def job(self) -> str:
@@ -215,6 +150,16 @@ class Coordinator:
         """The current view (``None`` before the first epoch)."""
         with self._lock:
             return self._view
+
+    def committed_step(self) -> int:
+        """The newest step committed everywhere, as the members recorded it (``-1``: none yet)."""
+        store = self._store
+        try:
+            return int(store.get(keys.COMMITTED)) if store is not None and store.check([keys.COMMITTED]) else -1
+        except ValueError as exc:
+            assert store is not None
+            store.reject(keys.COMMITTED, exc)
+            return -1
 
     @property
     def failed(self) -> str | None:
@@ -279,35 +224,16 @@ class Coordinator:
         store = self._store
         assert store is not None
         now = time.monotonic()
-        n = store.add(keys.MEMBERS_NEXT, 0)
-        while self._seen_members < n:
-            idx = self._seen_members
-            if not store.check([keys.member(idx)]):
-                break  # registered its index, record not written yet
-            self._seen_members += 1
-            try:
-                info = MemberInfo.from_json(store.get(keys.member(idx)))
-            except ValueError as exc:
-                logger.warning("ignoring member %d: %s", idx, exc)
-                continue
-            if info.job != self.config.job or info.index != idx:
-                logger.warning("ignoring member %d: foreign job %r", idx, info.job)
-                continue
-            with self._lock:
-                self._members[idx] = info
-                self._hb[idx] = (-1, now)
-                if info.role == "spare" or self._view is not None:
-                    self._spares.append(idx)
-            self.log.emit(
-                "member_started", slot=info.slot if info.slot >= 0 else None, pid=info.pid, member=idx, role=info.role
-            )
+        assert self._registrations is not None and self._suspicions is not None
+        for idx, record in self._registrations.poll():
+            self._register(idx, record, now)
         live = [i for i in self._members if i not in self._dead and i not in self._left]
         if live:
             counts = store.multi_get([keys.heartbeat(i) for i in live])
             silent: dict[int, float] = {}
             for i, raw in zip(live, counts, strict=True):
-                count = int(raw or b"0")
                 last_count, last_time = self._hb[i]
+                count = int(raw) if raw is not None and raw.isdigit() and len(raw) < 20 else last_count
                 if count != last_count:
                     self._hb[i] = (count, now)
                 elif now - last_time > self.config.heartbeat_timeout.total_seconds():
@@ -327,17 +253,16 @@ class Coordinator:
             except queue.Empty:
                 break
             self._on_exit(pid, code)
-        n = store.add(keys.SUSPECT_NEXT, 0)
-        while self._seen_suspects < n:
-            i = self._seen_suspects
-            if not store.check([keys.suspect(i)]):
-                break
-            self._seen_suspects += 1
+        for i, record in self._suspicions.poll():
             try:
-                rec = decode_json(store.get(keys.suspect(i)), "suspicion record")
+                if isinstance(record, RecordError):
+                    raise record
+                rec = decode_json(record, "suspicion record")
                 epoch, member = int(rec["epoch"]), int(rec["member"])
                 evict = None if rec.get("evict") is None else int(rec["evict"])
-            except (ValueError, KeyError, TypeError) as exc:
+                if member not in self._members:
+                    raise ValueError(f"from member {member}, which never registered")
+            except (ValueError, KeyError, TypeError, OverflowError) as exc:
                 logger.warning("ignoring suspicion %d: %s", i, exc)
                 continue
             if evict is not None:
@@ -348,6 +273,38 @@ class Coordinator:
             self.log.emit("failure_suspected", epoch=epoch, slot=slot, member=member, reason=str(rec.get("reason", "")))
             if view is not None and epoch == view.epoch:
                 self._suspected.add(epoch)
+
+    def _register(self, idx: int, record: bytes | RecordError, now: float) -> None:
+        """Take in registration ``idx``, or refuse (and log) one that is not the job's."""
+        try:
+            if isinstance(record, RecordError):
+                raise record
+            info = MemberInfo.from_json(record)
+            if info.job != self.config.job or info.index != idx:
+                raise ValueError(f"registered for job {info.job!r} as member {info.index}")
+        except ValueError as exc:
+            claimed: dict[str, Any] = {}
+            try:
+                assert self._store is not None
+                claimed = decode_json(self._store.unverified(keys.member(idx)), "member record")
+            except (ValueError, RuntimeError):
+                pass
+            pid, host = claimed.get("pid"), claimed.get("host")
+            self.log.emit(
+                "member_refused",
+                pid=pid if isinstance(pid, int) else None,
+                member=idx,
+                host=str(host)[:200] if host is not None else None,
+                reason=str(exc)[:500],
+            )
+            return
+        with self._lock:
+            self._members[idx] = info
+            self._hb[idx] = (-1, now)
+            if info.role == "spare" or self._view is not None:
+                self._spares.append(idx)
+        slot = info.slot if info.slot >= 0 else None
+        self.log.emit("member_started", slot=slot, pid=info.pid, member=idx, role=info.role)
 
     def _on_evict(self, epoch: int, member: int, reason: str) -> None:
         """A member asks for ``member`` of ``epoch`` to be replaced (a straggler): only by a live spare."""
@@ -559,7 +516,7 @@ class Coordinator:
         with self._lock:
             for m in plan.promoted.values():
                 self._spares.remove(m)
-        committed = store.get(keys.COMMITTED).decode() if store.check([keys.COMMITTED]) else "-1"
+        committed = self.committed_step()
         self._publish(
             View(
                 epoch=plan.epoch,
@@ -568,7 +525,7 @@ class Coordinator:
                 lost_slots=plan.lost_slots,
                 promoted=dict(plan.promoted),
                 rank_map=dict(plan.rank_map),
-                committed_step=int(committed),
+                committed_step=committed,
                 mode=plan.mode,
             )
         )

@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 #: Event names the control plane writes.
 EVENTS = (
     "member_started",
+    "member_refused",
     "failure_suspected",
     "failure_detected",
     "stall_suspected",

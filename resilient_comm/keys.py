@@ -4,6 +4,8 @@ from __future__ import annotations
 
 __all__ = [
     "JOB",
+    "AUTH",
+    "AUTH_HMAC",
     "EPOCH",
     "FAILED",
     "SHUTDOWN",
@@ -19,11 +21,14 @@ __all__ = [
     "ack",
     "configured",
     "votes",
+    "vote",
     "decision",
     "transport_prefix",
 ]
 
-JOB = "job"  # the job id
+JOB = "job"  # the job id (signed, where the job has a secret)
+AUTH = "auth"  # unsigned: how records are signed (absent: they are not)
+AUTH_HMAC = b"hmac-sha256"  # the value of AUTH for a job with a secret
 EPOCH = "epoch"  # the newest published epoch ("-1" before the first)
 FAILED = "failed"  # why the job cannot continue (set once)
 SHUTDOWN = "shutdown"  # the job is over: spares stop waiting
@@ -38,7 +43,7 @@ def member(i: int) -> str:
 
 
 def heartbeat(i: int) -> str:
-    """Heartbeat counter of member ``i``."""
+    """Heartbeat of member ``i``: the number of beats so far, rewritten by each beat."""
     return f"hb/{i}"
 
 
@@ -73,8 +78,13 @@ def configured(epoch: int, i: int) -> str:
 
 
 def votes(epoch: int, step: int) -> str:
-    """Counter of ok-votes for ``step`` in ``epoch``."""
+    """Counter of ok-votes for ``step`` in ``epoch`` (a hint: the votes themselves decide)."""
     return f"votes/{epoch}/{step}"
+
+
+def vote(epoch: int, step: int, i: int) -> str:
+    """Member ``i``'s vote for ``step`` in ``epoch`` (``1``: ok)."""
+    return f"vote/{epoch}/{step}/{i}"
 
 
 def decision(epoch: int, step: int) -> str:

@@ -21,6 +21,7 @@ from datetime import timedelta
 from types import FrameType
 from typing import Any
 
+from resilient_comm.auth import ENV_SECRET_FILE, JobSecret
 from resilient_comm.communicator import ENV_ADDRESS, ENV_JOB, ENV_ROLE, ENV_SLOT
 from resilient_comm.coordinator import Coordinator, CoordinatorConfig
 
@@ -76,10 +77,10 @@ class LaunchConfig:
             not isinstance(self.job_timeout, timedelta) or self.job_timeout.total_seconds() <= 0
         ):
             raise ValueError(f"job_timeout: must be a positive datetime.timedelta, got {self.job_timeout!r}")
-        self.coordinator_config()  # validates mode, min_world_size, heartbeat_timeout, host, port
+        self.coordinator_config(secret=JobSecret.generate())  # validates mode, heartbeat_timeout, host, port...
 
-    def coordinator_config(self, job: str | None = None) -> CoordinatorConfig:
-        """The coordinator settings of this launch."""
+    def coordinator_config(self, job: str | None = None, secret: JobSecret | None = None) -> CoordinatorConfig:
+        """The coordinator settings of this launch, with the job secret ``secret``."""
         kw: dict[str, Any] = {} if job is None else {"job": job}
         return CoordinatorConfig(
             world_size=self.nproc,
@@ -92,12 +93,17 @@ class LaunchConfig:
             stall_grace=self.stall_grace,
             spares=self.spares,
             events=self.events,
+            secret=secret,
             **kw,
         )
 
 
 class Launcher:
     """Runs one job: ``start()``, then ``wait()``; tests also use :meth:`pid_of_slot` and :meth:`add_spare`.
+
+    Every job has a secret (see :mod:`resilient_comm.auth`): the one the
+    environment names (``SPARSECOMM_JOB_SECRET`` or ``..._FILE``), else a fresh
+    random one. It reaches the workers and spares through their environment.
 
     Args:
         cmd: The worker command line (every process runs the same one).
@@ -111,7 +117,8 @@ class Launcher:
             raise TypeError(f"config: expected a LaunchConfig, got {type(config).__name__}")
         self.cmd = list(cmd)
         self.config = config
-        self.coordinator = Coordinator(config.coordinator_config())
+        self.secret = JobSecret.from_env() or JobSecret.generate()
+        self.coordinator = Coordinator(config.coordinator_config(secret=self.secret))
         self._procs: list[tuple[subprocess.Popen[bytes], str]] = []
         self._reported: set[int] = set()
         self._lock = threading.Lock()
@@ -127,6 +134,8 @@ class Launcher:
     def _spawn(self, role: str, slot: int) -> subprocess.Popen[bytes]:
         env = dict(os.environ)
         env.update(self.config.env)
+        env.pop(ENV_SECRET_FILE, None)
+        env.update(self.secret.env())
         env.update(
             {
                 ENV_ADDRESS: self.coordinator.address,

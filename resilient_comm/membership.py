@@ -1,7 +1,9 @@
 """The member side of the control plane: registration, heartbeat, abort watch, views, votes.
 
 One :class:`StoreMembership` per process. It speaks to the coordinator only
-through the job's ``TCPStore`` (key names in :mod:`resilient_comm.keys`).
+through the job's ``TCPStore`` (key names in :mod:`resilient_comm.keys`), with
+records signed by the job secret where the job has one
+(:class:`~resilient_comm.auth.ControlStore`).
 A background thread with its own store client beats the heartbeat and watches
 for the abort of the epoch this process is in; when it sees one it calls the
 owner's callback (which aborts the epoch's transport) and then acknowledges.
@@ -22,6 +24,7 @@ from datetime import timedelta
 from bindings.errors import CommTimeoutError
 from bindings.store import BoundedStore, Store, open_store, prefix_store
 from resilient_comm import keys
+from resilient_comm.auth import ENV_SECRET, ENV_SECRET_FILE, ControlStore, JobSecret, RecordError
 from resilient_comm.errors import MembershipError
 from resilient_comm.view import ROLES, MemberInfo, View, decode_json
 
@@ -45,9 +48,9 @@ def _connect(host: str, port: int, timeout: timedelta) -> Store:
     return open_store(host, port, server=False, timeout=timeout)
 
 
-def _bounded(host: str, port: int, timeout: timedelta) -> BoundedStore:
+def _bounded(host: str, port: int, timeout: timedelta, secret: JobSecret | None) -> ControlStore:
     """A client connection whose every call ends by ``timeout``, even when the link to the coordinator goes silent."""
-    return BoundedStore(_connect(host, port, timeout), timeout, f"{host}:{port}")
+    return ControlStore(BoundedStore(_connect(host, port, timeout), timeout, f"{host}:{port}"), secret)
 
 
 class StoreMembership:
@@ -61,10 +64,14 @@ class StoreMembership:
         heartbeat_interval: Period of heartbeats and of the abort watch.
         timeout: Deadline of each store operation (a silent link to the
             coordinator ends it too: :class:`~bindings.errors.CommTimeoutError`).
+        secret: The job secret, where the job has one (``None``: read it from
+            ``SPARSECOMM_JOB_SECRET`` / ``SPARSECOMM_JOB_SECRET_FILE`` if set).
 
     Raises:
         ValueError: Bad arguments.
-        MembershipError: The store belongs to another job.
+        MembershipError: The store belongs to another job, or the coordinator
+            refuses this process's secret (or its lack of one); the refusal is
+            in the coordinator's log too.
     """
 
     def __init__(
@@ -76,8 +83,12 @@ class StoreMembership:
         slot: int = -1,
         heartbeat_interval: timedelta = timedelta(milliseconds=50),
         timeout: timedelta = timedelta(seconds=30),
+        secret: JobSecret | None = None,
     ) -> None:
         host, port = parse_address(address)
+        if secret is not None and not isinstance(secret, JobSecret):
+            raise TypeError(f"secret: expected a JobSecret or None, got {type(secret).__name__}")
+        secret = secret if secret is not None else JobSecret.from_env()
         if role not in ROLES:
             raise ValueError(f"role: must be one of {ROLES}, got {role!r}")
         if isinstance(slot, bool) or not isinstance(slot, int) or slot < -1:
@@ -93,12 +104,11 @@ class StoreMembership:
         self.job = job
         self._interval = heartbeat_interval.total_seconds()
         self._address, self._timeout = (host, port), timeout
-        self._store = _bounded(host, port, timeout)
-        have = self._store.get(keys.JOB).decode()
-        if have != job:
-            raise MembershipError(f"job: this coordinator runs job {have!r}, not {job!r}")
+        self._store = _bounded(host, port, timeout, secret)
+        refusal = self._admission(job)
         self.index = int(self._store.add(keys.MEMBERS_NEXT, 1)) - 1
-        self._store.add(keys.heartbeat(self.index), 1)
+        self._beats = 0
+        self._store.set(keys.heartbeat(self.index), "0")
         self.info = MemberInfo(
             index=self.index,
             member_id=f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}",
@@ -109,7 +119,10 @@ class StoreMembership:
             job=job,
         )
         self._store.set(keys.member(self.index), self.info.to_json())
-        self._watch_store = _bounded(host, port, timeout)
+        if refusal is not None:  # registered all the same, so that the coordinator logs who was refused
+            self._store.close()
+            raise MembershipError(refusal)
+        self._watch_store = _bounded(host, port, timeout, secret)
         self._watch_epoch = -1  # the epoch whose abort the watcher looks for (-1: none)
         self._aborted_upto = -1  # newest epoch whose abort was seen
         self._on_abort: Callable[[int], None] | None = None
@@ -117,6 +130,22 @@ class StoreMembership:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name=f"sparsecomm-heartbeat-{self.index}", daemon=True)
         self._thread.start()
+
+    def _admission(self, job: str) -> str | None:
+        """Why the coordinator will refuse this process (``None``: it will not); raises for a foreign job."""
+        store = self._store
+        signed = store.raw.check([keys.AUTH]) and store.raw.get(keys.AUTH) == keys.AUTH_HMAC
+        if signed and not store.signed:
+            return f"refused: job {job!r} requires its job secret (set {ENV_SECRET} or {ENV_SECRET_FILE})"
+        if store.signed and not signed:
+            return "refused: this coordinator runs without a job secret, but this process was given one"
+        try:
+            have = store.get(keys.JOB).decode(errors="replace")
+        except RecordError:
+            return f"refused: this process's job secret is not the one of the job at {self._address[0]}"
+        if have != job:
+            raise MembershipError(f"job: this coordinator runs job {have!r}, not {job!r}")
+        return None
 
     # ------------------------------------------------------------------ watch
     def watch(self, epoch: int, on_abort: Callable[[int], None]) -> None:
@@ -133,7 +162,8 @@ class StoreMembership:
         store = self._watch_store
         while not self._stop.wait(self._interval):
             try:
-                store.add(keys.heartbeat(self.index), 1)
+                self._beats += 1
+                store.set(keys.heartbeat(self.index), str(self._beats))
                 with self._lock:
                     epoch, cb = self._watch_epoch, self._on_abort
                 if epoch > self._aborted_upto and store.check([keys.abort(epoch)]):
@@ -177,9 +207,9 @@ class StoreMembership:
         store = self._store
         delay = 0.001
         while True:
-            epoch = int(store.get(keys.EPOCH))
-            if epoch > after_epoch:
-                return View.from_json(store.get(keys.view(epoch)))
+            view = self._newer_view(after_epoch)
+            if view is not None:
+                return view
             if store.check([keys.FAILED]):
                 raise MembershipError(f"the job failed: {store.get(keys.FAILED).decode(errors='replace')}")
             if store.check([keys.SHUTDOWN]):
@@ -188,6 +218,22 @@ class StoreMembership:
                 raise CommTimeoutError(f"no epoch after {after_epoch} was formed in time")
             time.sleep(delay)
             delay = min(delay * 2, 0.01)
+
+    def _newer_view(self, after_epoch: int) -> View | None:
+        """The published view if it is newer than ``after_epoch``; a record that fails its checks is skipped."""
+        store = self._store
+        try:
+            epoch = int(store.get(keys.EPOCH))
+            if epoch <= after_epoch or not store.raw.check([keys.view(epoch)]):
+                return None
+            view = View.from_json(store.get(keys.view(epoch)))
+        except ValueError as exc:  # RecordError too: not the job's, wait for the real one
+            store.reject(keys.EPOCH, exc)
+            return None
+        if view.epoch != epoch or view.job != self.job:
+            store.reject(keys.view(epoch), ValueError(f"view of epoch {view.epoch} (job {view.job!r}) at {epoch}"))
+            return None
+        return view
 
     def report(self, epoch: int, reason: str) -> None:
         """Tell the coordinator that ``epoch``'s transport failed here."""
@@ -211,30 +257,41 @@ class StoreMembership:
         """Tell the coordinator this member built ``epoch``'s transport."""
         self._store.set(keys.configured(epoch, self.index), "1")
 
-    def vote(self, epoch: int, step: int, world_size: int, ok: bool, deadline: float) -> bool:
-        """The AND-vote of ``step`` over ``epoch``'s members; the same answer on every member.
+    def vote(self, epoch: int, step: int, members: tuple[int, ...], ok: bool, deadline: float) -> bool:
+        """The AND-vote of ``step`` over ``epoch``'s ``members``; the same answer on every member.
 
-        Each ok-vote bumps a counter; the member that completes it writes the
-        decision ``1``. A not-ok vote, the abort of the epoch, or the deadline
-        writes ``0``. The decision key is written once (compare-and-set), so
-        every member reads the same value.
+        Each member writes its (signed) ok-vote, then bumps a counter. A member
+        whose bump reaches the member count reads every vote and, when all are
+        there and ok, writes the decision ``1``: a counter bumped by anyone
+        else decides nothing. A not-ok vote, the abort of the epoch, or the
+        deadline writes ``0``. The decision key is written once
+        (compare-and-set), so every member reads the same value; a decision
+        record that is not the job's reads as ``0`` on every member.
         """
         store = self._store
         key = keys.decision(epoch, step)
-        if ok and not self.aborted(epoch):
-            if int(store.add(keys.votes(epoch, step), 1)) == world_size:
-                if store.compare_set(key, "", "1") == b"1":
-                    store.set(keys.COMMITTED, str(step))
-        else:
-            store.compare_set(key, "", "0")
-        delay = 0.0002
-        while not store.check([key]):
-            if self.aborted(epoch) or time.monotonic() > deadline:
-                store.compare_set(key, "", "0")
-                break
-            time.sleep(delay)
-            delay = min(delay * 2, 0.005)
-        return store.get(key) == b"1"
+        try:
+            if ok and not self.aborted(epoch):
+                store.set(keys.vote(epoch, step, self.index), "1")
+                if store.add(keys.votes(epoch, step), 1) >= len(members):
+                    names = [keys.vote(epoch, step, m) for m in members]
+                    # all present: this is the last ok-vote (every member writes before it bumps)
+                    ballots = store.multi_get(names) if store.raw.check(names) else []
+                    if ballots and all(b == b"1" for b in ballots) and store.create(key, "1") == b"1":
+                        store.set(keys.COMMITTED, str(step))
+            else:
+                store.create(key, "0")
+            delay = 0.0002
+            while not store.check([key]):
+                if self.aborted(epoch) or time.monotonic() > deadline:
+                    store.create(key, "0")
+                    break
+                time.sleep(delay)
+                delay = min(delay * 2, 0.005)
+            return store.get(key) == b"1"
+        except RecordError as exc:
+            store.reject(key, exc)
+            return False
 
     # ------------------------------------------------------------------ end
     def leave(self) -> None:
@@ -247,6 +304,8 @@ class StoreMembership:
             logger.debug("could not mark member %d as left: %s", self.index, exc)
         self._stop.set()
         self._thread.join(timeout=5)
+        self._store.close()
+        self._watch_store.close()
 
     def stop_heartbeat(self) -> None:
         """Stop heartbeating without leaving (tests use this to look hung)."""

@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+import tempfile
 import threading
 from datetime import timedelta
+from pathlib import Path
 
 from resilient_comm import MODES, Coordinator, CoordinatorConfig
+from resilient_comm.auth import ENV_SECRET, ENV_SECRET_FILE, JobSecret
 from resilient_comm.launcher import LaunchConfig, launch
 
 __all__ = ["add_launch_parsers"]
@@ -37,7 +40,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         help="seconds more before silence alone may take away the majority (20)",
     )
     p.add_argument("--events", default=None, help="JSON-lines events file")
-    p.add_argument("--host", default="127.0.0.1", help="address the coordinator binds to (loopback)")
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address the coordinator binds to (loopback; any other needs a job secret)"
+    )
     p.add_argument("--port", type=int, default=0, help="coordinator port (0: any free one)")
 
 
@@ -65,11 +70,15 @@ def add_launch_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentP
         help="run a standalone coordinator (for workers started by torchrun or srun)",
         description=(
             "Host the job's store and membership protocol until interrupted. Start workers with "
-            "SPARSECOMM_COORDINATOR=HOST:PORT and SPARSECOMM_JOB_ID=JOB (printed at start)."
+            "SPARSECOMM_COORDINATOR=HOST:PORT, SPARSECOMM_JOB_ID=JOB and SPARSECOMM_JOB_SECRET_FILE=PATH "
+            "(printed at start). The job secret comes from $SPARSECOMM_JOB_SECRET or "
+            "$SPARSECOMM_JOB_SECRET_FILE, else from --secret-file (made, mode 0600, if missing), else a "
+            "fresh one is written to a private temporary file."
         ),
     )
     c.add_argument("--world-size", type=int, required=True, help="workers of the first epoch")
     c.add_argument("--job", default=None, help="job id (default: a fresh random one)")
+    c.add_argument("--secret-file", type=Path, default=None, help="the job secret's file (made if missing)")
     _add_common(c)
     c.set_defaults(func=_cmd_coordinator, cmd_parser=c)
 
@@ -103,9 +112,25 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     return launch(cmd, config)
 
 
+def _coordinator_secret(path: Path | None) -> tuple[JobSecret, Path | None]:
+    """The job secret and the file workers can read it from (``None``: they take it from the environment)."""
+    secret = JobSecret.from_env()
+    if secret is not None:
+        if path is not None:
+            raise ValueError(f"--secret-file: the secret is already set by ${ENV_SECRET} or ${ENV_SECRET_FILE}")
+        return secret, None
+    if path is not None and path.exists():
+        return JobSecret.from_file(path), path
+    if path is None:
+        path = Path(tempfile.mkdtemp(prefix="sparsecomm-")) / "job.secret"  # the directory is the owner's alone
+    secret = JobSecret.generate()
+    return secret, secret.write(path)
+
+
 def _cmd_coordinator(args: argparse.Namespace) -> int:
     kw = {} if args.job is None else {"job": args.job}
     try:
+        secret, secret_file = _coordinator_secret(args.secret_file)
         config = CoordinatorConfig(
             world_size=args.world_size,
             mode=args.mode,
@@ -116,13 +141,15 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
             events=args.events,
             host=args.host,
             port=args.port,
+            secret=secret,
             **kw,
         )
     except ValueError as exc:
         args.cmd_parser.error(str(exc))
     coordinator = Coordinator(config)
     coordinator.start()
-    print(f"SPARSECOMM_COORDINATOR={coordinator.address} SPARSECOMM_JOB_ID={coordinator.job}", flush=True)
+    where = "" if secret_file is None else f" {ENV_SECRET_FILE}={secret_file}"
+    print(f"SPARSECOMM_COORDINATOR={coordinator.address} SPARSECOMM_JOB_ID={coordinator.job}{where}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

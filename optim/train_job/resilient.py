@@ -36,16 +36,13 @@ from typing import Any
 import torch
 
 from bindings.errors import CommError
-from bindings.store import open_store
 from optim.resilient import ResilientConfig, ResilientTraining
 from optim.snapshot import UnrecoverableStateError
 from optim.train_job.config import TrainConfig, build_optimizer
 from optim.train_job.tasks import make_task
 from optim.train_job.train import _evaluate, train_step
 from resilient_comm.events import ProcessEvents, read_event_dir
-from resilient_comm.keys import COMMITTED
 from resilient_comm.launcher import LaunchConfig, Launcher
-from resilient_comm.membership import parse_address
 
 __all__ = ["ResilienceConfig", "run_resilient_training", "worker_main", "failure_timeline", "RECOVERY_MODES"]
 
@@ -345,11 +342,9 @@ def _inject(launcher: Launcher, kills: tuple[tuple[int, int], ...], waiter: thre
         time.sleep(0.01)
     if not waiter.is_alive():
         return done
-    host, port = parse_address(launcher.coordinator.address)
-    store = open_store(host, port, server=False, timeout=timedelta(seconds=30))
     while pending and waiter.is_alive():
         try:
-            committed = int(store.get(COMMITTED)) if store.check([COMMITTED]) else 0
+            committed = launcher.coordinator.committed_step()
         except RuntimeError:  # the job ended (its store went away) while kills were pending
             time.sleep(0.01)
             continue

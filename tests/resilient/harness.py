@@ -19,10 +19,13 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
+from bindings.store import open_store
+from resilient_comm.auth import ControlStore, JobSecret
 from resilient_comm.events import read_event_dir, read_events
+from resilient_comm.keys import COMMITTED
 from resilient_comm.launcher import LaunchConfig, Launcher
 
-__all__ = ["DrillJob", "REPO_ROOT", "check_contiguous", "kill_all", "wait_until"]
+__all__ = ["DrillJob", "JobWatch", "REPO_ROOT", "check_contiguous", "kill_all", "wait_until"]
 
 REPO_ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -55,6 +58,31 @@ def kill_all(procs: list[subprocess.Popen[bytes]]) -> None:
             p.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
+
+
+class JobWatch:
+    """What a test outside a ``sparsecomm launch`` job reads of it: the job gets this secret through ``env``."""
+
+    def __init__(self) -> None:
+        self.secret = JobSecret.generate()
+        self.env = self.secret.env()
+        self._store: ControlStore | None = None
+
+    def connect(self, port: int, alive: Callable[[], bool], timeout: float) -> None:
+        """Connect to the job's store on ``port`` once it is up (while ``alive()``), or fail the test."""
+        deadline = time.monotonic() + timeout
+        while self._store is None and time.monotonic() < deadline and alive():
+            try:
+                raw = open_store("127.0.0.1", port, server=False, timeout=timedelta(seconds=5))
+                self._store = ControlStore(raw, self.secret)
+            except (RuntimeError, OSError):
+                time.sleep(0.05)
+        assert self._store is not None, "the job's store never came up"
+
+    def committed(self) -> int:
+        """The newest step the job committed (``-1``: none yet)."""
+        assert self._store is not None
+        return int(self._store.get(COMMITTED)) if self._store.check([COMMITTED]) else -1
 
 
 def check_contiguous(records: list[dict[str, Any]]) -> list[int]:

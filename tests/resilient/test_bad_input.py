@@ -77,7 +77,7 @@ def test_pid_of_slot_and_concurrent_reconfigure() -> None:
             launcher.pid_of_slot(0)
 
         def member(slot: int) -> FaultAwareCommunicator:
-            m = StoreMembership(coord.address, coord.job, slot=slot)
+            m = StoreMembership(coord.address, coord.job, slot=slot, secret=launcher.secret)
             comms.append(FaultAwareCommunicator(m, join_timeout=timedelta(seconds=30)))
             return comms[-1]
 

@@ -15,18 +15,16 @@ import socket
 import subprocess
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from bindings.store import open_store
 from optim.checkpoint import MAGIC, CheckpointError, CheckpointStore
 from optim.train_job.resilient import train_config_from
 from optim.train_job.tasks import make_task
-from resilient_comm.keys import COMMITTED
+from tests.resilient.harness import JobWatch
 
 pytestmark = pytest.mark.dist
 
@@ -48,19 +46,16 @@ def _job(tmp: Path, ckpt: Path, *extra: str, kill_after: int | None = None) -> t
     cmd = [sys.executable, "-m", "optim", "launch", "--nproc", str(NPROC), "--spares", "0", "--port", str(port)]
     cmd += ["--job-timeout", "150", "--", sys.executable, str(EXAMPLE), "--optimizer", "scape", "--steps", str(STEPS)]
     cmd += ["--out", str(out), "--checkpoint-dir", str(ckpt), "--checkpoint-every", str(EVERY), *extra]
+    watch = JobWatch()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env.update(watch.env)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         if kill_after is not None:
-            deadline, store = time.monotonic() + 120, None
-            while store is None and time.monotonic() < deadline and proc.poll() is None:
-                try:
-                    store = open_store("127.0.0.1", port, server=False, timeout=timedelta(seconds=5))
-                except (RuntimeError, OSError):
-                    time.sleep(0.05)
-            assert store is not None, "the job's store never came up"
+            deadline = time.monotonic() + 120
+            watch.connect(port, lambda: proc.poll() is None, 120)
             while time.monotonic() < deadline and proc.poll() is None:
-                if store.check([COMMITTED]) and int(store.get(COMMITTED)) >= kill_after:
+                if watch.committed() >= kill_after:
                     os.killpg(proc.pid, signal.SIGKILL)  # every process of the job, the launcher too
                     break
                 time.sleep(0.005)

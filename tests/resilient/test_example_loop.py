@@ -18,15 +18,13 @@ import socket
 import subprocess
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from bindings.store import open_store
 from resilient_comm.events import read_events
-from resilient_comm.keys import COMMITTED
+from tests.resilient.harness import JobWatch
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -72,20 +70,16 @@ def _run(tmp: Path, optimizer: str, spares: int, kill: tuple[int, int] | None = 
     cmd = [sys.executable, "-m", "optim", "launch", "--nproc", "4", "--spares", str(spares), "--port", str(port)]
     cmd += ["--heartbeat-timeout", "10", "--job-timeout", str(JOB_TIMEOUT_S), "--events", str(tmp / "events.jsonl")]
     cmd += ["--", sys.executable, str(EXAMPLE), "--optimizer", optimizer, "--steps", str(STEPS), "--out", str(out)]
+    watch = JobWatch()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env.update(watch.env)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     killed: dict[str, Any] = {}
     try:
         if kill is not None:
             slot, step = kill
             deadline = time.monotonic() + JOB_TIMEOUT_S
-            store = None
-            while store is None and time.monotonic() < deadline and proc.poll() is None:
-                try:
-                    store = open_store("127.0.0.1", port, server=False, timeout=timedelta(seconds=5))
-                except (RuntimeError, OSError):
-                    time.sleep(0.05)
-            assert store is not None, "the job's store never came up"
+            watch.connect(port, lambda: proc.poll() is None, JOB_TIMEOUT_S)
 
             def spare_ready() -> bool:
                 # a kill before the spare registered would shrink the world (no spare yet), not hot-swap
@@ -93,7 +87,7 @@ def _run(tmp: Path, optimizer: str, spares: int, kill: tuple[int, int] | None = 
                 return spares == 0 or any(e["event"] == "member_started" and e.get("role") == "spare" for e in events)
 
             while time.monotonic() < deadline and proc.poll() is None:
-                committed = int(store.get(COMMITTED)) if store.check([COMMITTED]) else 0
+                committed = max(0, watch.committed())
                 if committed >= step - 1 and spare_ready():
                     pid = _worker_of_slot(proc.pid, slot)
                     os.kill(pid, signal.SIGKILL)

@@ -41,6 +41,7 @@ class NetJob:
         argv = [sys.executable, "-m", "optim", "coordinator", "--world-size", str(workers), "--mode", mode]
         argv += ["--heartbeat-timeout", str(hb), "--stall-grace", str(grace), "--host", hosts.address(0)]
         argv += ["--port", str(PORT), "--events", str(self.events_path), "--job", job]
+        argv += ["--secret-file", str(tmp / "job.secret")]  # made by the coordinator, mode 0600
         self.coordinator = hosts.run(0, argv, env={"PYTHONPATH": REPO_ROOT}, stdout=subprocess.PIPE)
         assert self.coordinator.stdout is not None
         banner = self.coordinator.stdout.readline().decode()
@@ -49,6 +50,7 @@ class NetJob:
             "PYTHONPATH": REPO_ROOT,
             "SPARSECOMM_COORDINATOR": f"{hosts.address(0)}:{PORT}",
             "SPARSECOMM_JOB_ID": job,
+            "SPARSECOMM_JOB_SECRET_FILE": str(tmp / "job.secret"),
             "SPARSECOMM_ROLE": "active",
             "SPARSECOMM_BACKEND": "gloo",
         }

@@ -1,0 +1,92 @@
+"""The settings of a job's coordinator (:class:`CoordinatorConfig`)."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from resilient_comm.auth import JobSecret, is_loopback
+from resilient_comm.view import MODES
+
+__all__ = ["CoordinatorConfig"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CoordinatorConfig:
+    """Settings of one job's coordinator.
+
+    Attributes:
+        world_size: Active members of the first epoch.
+        job: Job id; members presenting another id are refused.
+        host: Address the store binds to (loopback unless told otherwise; any
+            other address needs a ``secret``).
+        port: Store port (0: any free port).
+        mode: ``hotswap`` or ``shrink`` (see :data:`resilient_comm.view.MODES`).
+        min_world_size: No epoch with fewer members forms; the job fails instead.
+        heartbeat_timeout: A member whose heartbeat counter did not move for this
+            long is dead (this is what catches a hung, e.g. SIGSTOPped, process).
+        ack_timeout: How long a reconfiguration waits for acknowledgements.
+        configure_timeout: How long members may take to build an epoch's transport.
+        stall_grace: Extra time given to silent members when declaring them dead on
+            silence alone would leave no majority (see step 3 above); after it the
+            job fails with a clear error, it never hangs.
+        start_timeout: How long to wait for the first ``world_size`` members.
+        spares: Spares started with the job (by the launcher): the first epoch
+            waits for them to register as well, up to ``spare_wait``, so that a
+            failure in the first steps finds them (a hot-swap, not a shrink).
+        spare_wait: How long the first epoch waits for those spares.
+        poll_interval: Period of the control loop.
+        events: File for the JSON-lines event log (``None``: memory only).
+        secret: The job secret that signs every record (see
+            :mod:`resilient_comm.auth`); ``None`` only on loopback.
+    """
+
+    world_size: int
+    job: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    host: str = "127.0.0.1"
+    port: int = 0
+    mode: str = "hotswap"
+    min_world_size: int = 1
+    heartbeat_timeout: timedelta = timedelta(seconds=2)
+    ack_timeout: timedelta = timedelta(seconds=2)
+    configure_timeout: timedelta = timedelta(seconds=30)
+    stall_grace: timedelta = timedelta(seconds=20)
+    start_timeout: timedelta = timedelta(seconds=120)
+    spares: int = 0
+    spare_wait: timedelta = timedelta(seconds=30)
+    poll_interval: timedelta = timedelta(milliseconds=10)
+    events: str | None = None
+    secret: JobSecret | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.secret is not None and not isinstance(self.secret, JobSecret):
+            raise TypeError(f"secret: expected a JobSecret or None, got {type(self.secret).__name__}")
+        if self.secret is None and not is_loopback(self.host):
+            raise ValueError(f"host {self.host!r}: binding beyond loopback needs a job secret (secret=JobSecret...)")
+        if isinstance(self.spares, bool) or not isinstance(self.spares, int) or self.spares < 0:
+            raise ValueError(f"spares: must be an int >= 0, got {self.spares!r}")
+        for name in ("world_size", "min_world_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}: must be an int >= 1, got {v!r}")
+        if self.min_world_size > self.world_size:
+            raise ValueError(f"min_world_size ({self.min_world_size}) is larger than world_size ({self.world_size})")
+        if self.mode not in MODES:
+            raise ValueError(f"mode: must be one of {MODES}, got {self.mode!r}")
+        if not isinstance(self.job, str) or not self.job or "/" in self.job:
+            raise ValueError(f"job: must be a non-empty string without '/', got {self.job!r}")
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port < 65536:
+            raise ValueError(f"port: must be in [0, 65536), got {self.port!r}")
+        for name in (
+            "heartbeat_timeout",
+            "ack_timeout",
+            "configure_timeout",
+            "stall_grace",
+            "start_timeout",
+            "spare_wait",
+            "poll_interval",
+        ):
+            v = getattr(self, name)
+            if not isinstance(v, timedelta) or v.total_seconds() <= 0:
+                raise ValueError(f"{name}: must be a positive datetime.timedelta, got {v!r}")
