@@ -14,7 +14,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import timedelta
 from typing import Any
@@ -56,6 +56,7 @@ class BoundedStore:
             queue.SimpleQueue()
         )
         self._lost: str | None = None
+        self._current: Future[Any] | None = None
         self._thread = threading.Thread(target=self._serve, name=f"sparsecomm-store-{name}", daemon=True)
         self._thread.start()
 
@@ -64,10 +65,23 @@ class BoundedStore:
             fut, fn, args = job
             if not fut.set_running_or_notify_cancel():
                 continue
+            self._current = fut
             try:
-                fut.set_result(fn(*args))
+                result = fn(*args)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                self._settle(fut, exc, None)
+            else:
+                self._settle(fut, None, result)
+
+    @staticmethod
+    def _settle(fut: Future[Any], exc: BaseException | None, result: Any) -> None:
+        try:
+            if exc is not None:
                 fut.set_exception(exc)
+            else:
+                fut.set_result(result)
+        except InvalidStateError:  # given up on meanwhile (give_up)
+            pass
 
     def _call(self, op: str, fn: Callable[..., Any], *args: Any) -> Any:
         if self._lost is not None:
@@ -80,6 +94,13 @@ class BoundedStore:
             fut.cancel()
             self._lost = f"store {self._name}: {op} got no answer within {self._timeout:g} s (unreachable)"
             raise CommTimeoutError(self._lost) from None
+
+    def give_up(self, reason: str) -> None:
+        """Count the store as unreachable from now on; a call waiting for an answer raises at once."""
+        self._lost = reason
+        fut = self._current
+        if fut is not None and not fut.done():
+            self._settle(fut, CommTimeoutError(reason), None)
 
     @property
     def lost(self) -> str | None:

@@ -204,6 +204,17 @@ class ControlStore:
             raise RecordError(f"{key}: record of {len(record)} bytes (limit {MAX_RECORD_BYTES})")
         return record if self.secret is None else self.secret.open(key, record)
 
+    def private(self, name: str) -> str:
+        """The key for ``name`` that only holders of the secret can compute (``name`` itself without one).
+
+        For keys where the first writer wins (a decision, the next registration):
+        an intruder can list the keys written so far, but cannot write one of
+        these before its owner does.
+        """
+        if self.secret is None:
+            return name
+        return f"{name}/{self.secret._tag('name:' + name, b'')[:16].decode()}"
+
     def reject(self, key: str, exc: Exception) -> None:
         """Log a record that was not accepted (once per key)."""
         if key not in self._warned and len(self._warned) < 10_000:

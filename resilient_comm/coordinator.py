@@ -90,7 +90,9 @@ class Coordinator:
         self._spares: list[int] = []
         self._registrations: Inbox | None = None
         self._suspicions: Inbox | None = None
+        self._refusals: Inbox | None = None
         self._suspected: set[int] = set()  # epochs with a suspicion not yet acted on
+        self._refusal_count = 0
         self._stalled: set[str] = set()  # kinds of silence without quorum being waited out (logged once each)
         self._view: View | None = None
         self._failed: str | None = None
@@ -107,8 +109,9 @@ class Coordinator:
             raw.set(keys.AUTH, keys.AUTH_HMAC.decode())
         self._store = store = ControlStore(raw, cfg.secret)
         patience = (cfg.heartbeat_timeout + cfg.stall_grace).total_seconds()
-        self._registrations = Inbox(store, keys.MEMBERS_NEXT, keys.member, patience)
-        self._suspicions = Inbox(store, keys.SUSPECT_NEXT, keys.suspect, patience)
+        self._registrations = Inbox(store, keys.MEMBERS_NEXT, lambda i: store.private(keys.member(i)), patience)
+        self._suspicions = Inbox(store, keys.SUSPECT_NEXT, lambda i: store.private(keys.suspect(i)), patience)
+        self._refusals = Inbox(store, keys.REFUSED_NEXT, keys.refused, patience, read=store.unverified)
         store.set(keys.JOB, cfg.job)
         self._store.set(keys.EPOCH, "-1")
         self._thread = threading.Thread(target=self._run, name="sparsecomm-coordinator", daemon=True)
@@ -224,9 +227,11 @@ class Coordinator:
         store = self._store
         assert store is not None
         now = time.monotonic()
-        assert self._registrations is not None and self._suspicions is not None
+        assert self._registrations is not None and self._suspicions is not None and self._refusals is not None
         for idx, record in self._registrations.poll():
             self._register(idx, record, now)
+        for _, record in self._refusals.poll():
+            self._refused(None, record)
         live = [i for i in self._members if i not in self._dead and i not in self._left]
         if live:
             counts = store.multi_get([keys.heartbeat(i) for i in live])
@@ -283,20 +288,7 @@ class Coordinator:
             if info.job != self.config.job or info.index != idx:
                 raise ValueError(f"registered for job {info.job!r} as member {info.index}")
         except ValueError as exc:
-            claimed: dict[str, Any] = {}
-            try:
-                assert self._store is not None
-                claimed = decode_json(self._store.unverified(keys.member(idx)), "member record")
-            except (ValueError, RuntimeError):
-                pass
-            pid, host = claimed.get("pid"), claimed.get("host")
-            self.log.emit(
-                "member_refused",
-                pid=pid if isinstance(pid, int) else None,
-                member=idx,
-                host=str(host)[:200] if host is not None else None,
-                reason=str(exc)[:500],
-            )
+            self._refused(idx, record if isinstance(record, bytes) else b"", str(exc))
             return
         with self._lock:
             self._members[idx] = info
@@ -305,6 +297,27 @@ class Coordinator:
                 self._spares.append(idx)
         slot = info.slot if info.slot >= 0 else None
         self.log.emit("member_started", slot=slot, pid=info.pid, member=idx, role=info.role)
+
+    def _refused(self, idx: int | None, record: bytes | RecordError, why: str = "") -> None:
+        """Log a process that was refused: what it claims to be (unchecked) and why."""
+        self._refusal_count += 1
+        if self._refusal_count > 1000:
+            if self._refusal_count == 1001:
+                logger.warning("more than 1000 processes refused: no longer logging each")
+            return
+        claimed: dict[str, Any] = {}
+        try:
+            claimed = decode_json(record, "refusal note") if isinstance(record, bytes) else {}
+        except ValueError:
+            pass
+        pid, host = claimed.get("pid"), claimed.get("host")
+        self.log.emit(
+            "member_refused",
+            pid=pid if isinstance(pid, int) and not isinstance(pid, bool) else None,
+            member=idx,
+            host=str(host)[:200] if host is not None else None,
+            reason=(why or str(claimed.get("reason", "")))[:500],
+        )
 
     def _on_evict(self, epoch: int, member: int, reason: str) -> None:
         """A member asks for ``member`` of ``epoch`` to be replaced (a straggler): only by a live spare."""

@@ -12,6 +12,8 @@ __all__ = [
     "COMMITTED",
     "MEMBERS_NEXT",
     "SUSPECT_NEXT",
+    "REFUSED_NEXT",
+    "refused",
     "member",
     "heartbeat",
     "left",
@@ -20,7 +22,6 @@ __all__ = [
     "abort",
     "ack",
     "configured",
-    "votes",
     "vote",
     "decision",
     "transport_prefix",
@@ -35,6 +36,7 @@ SHUTDOWN = "shutdown"  # the job is over: spares stop waiting
 COMMITTED = "committed"  # the newest step committed everywhere
 MEMBERS_NEXT = "members/next"  # counter handing out member indices
 SUSPECT_NEXT = "suspect/next"  # counter numbering suspicion records
+REFUSED_NEXT = "refused/next"  # counter numbering the notes of refused processes
 
 
 def member(i: int) -> str:
@@ -50,6 +52,11 @@ def heartbeat(i: int) -> str:
 def left(i: int) -> str:
     """Set when member ``i`` leaves cleanly (not a failure)."""
     return f"left/{i}"
+
+
+def refused(n: int) -> str:
+    """Unsigned note ``n`` of a process that was refused (JSON: host, pid, reason); read only for the log."""
+    return f"refused/{n}"
 
 
 def suspect(n: int) -> str:
@@ -75,11 +82,6 @@ def ack(epoch: int, i: int) -> str:
 def configured(epoch: int, i: int) -> str:
     """Member ``i`` built ``epoch``'s transport."""
     return f"configured/{epoch}/{i}"
-
-
-def votes(epoch: int, step: int) -> str:
-    """Counter of ok-votes for ``step`` in ``epoch`` (a hint: the votes themselves decide)."""
-    return f"votes/{epoch}/{step}"
 
 
 def vote(epoch: int, step: int, i: int) -> str:

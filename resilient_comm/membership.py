@@ -106,6 +106,11 @@ class StoreMembership:
         self._address, self._timeout = (host, port), timeout
         self._store = _bounded(host, port, timeout, secret)
         refusal = self._admission(job)
+        if refusal is not None:  # an unsigned note, read only to log who was refused
+            note = {"host": socket.gethostname(), "pid": os.getpid(), "reason": refusal}
+            self._store.raw.set(keys.refused(self._store.add(keys.REFUSED_NEXT, 1) - 1), json.dumps(note))
+            self._store.close()
+            raise MembershipError(refusal)
         self.index = int(self._store.add(keys.MEMBERS_NEXT, 1)) - 1
         self._beats = 0
         self._store.set(keys.heartbeat(self.index), "0")
@@ -118,11 +123,9 @@ class StoreMembership:
             slot=slot,
             job=job,
         )
-        self._store.set(keys.member(self.index), self.info.to_json())
-        if refusal is not None:  # registered all the same, so that the coordinator logs who was refused
-            self._store.close()
-            raise MembershipError(refusal)
+        self._store.set(self._store.private(keys.member(self.index)), self.info.to_json())
         self._watch_store = _bounded(host, port, timeout, secret)
+        self._lost: str | None = None  # why the coordinator counts as lost
         self._watch_epoch = -1  # the epoch whose abort the watcher looks for (-1: none)
         self._aborted_upto = -1  # newest epoch whose abort was seen
         self._on_abort: Callable[[int], None] | None = None
@@ -155,8 +158,35 @@ class StoreMembership:
             self._on_abort = on_abort
 
     def aborted(self, epoch: int) -> bool:
-        """Whether the abort of ``epoch`` (or a later one) was seen."""
-        return self._aborted_upto >= epoch
+        """Whether the abort of ``epoch`` (or a later one) was seen, or the coordinator was lost."""
+        return self._aborted_upto >= epoch or self._lost is not None
+
+    @property
+    def lost(self) -> str | None:
+        """Why the coordinator counts as lost; ``None``: it does not.
+
+        A coordinator that dies is lost at the next heartbeat (its connections
+        reset). One that goes silent (its host hung, or a cut between here and
+        there) is lost only when a call to it passes the ``timeout``: until
+        then the link may come back, and a member on the far side of a short
+        cut learns it was replaced (:class:`~resilient_comm.errors.StaleEpochError`).
+        """
+        return self._lost
+
+    def _lose(self, exc: BaseException) -> MembershipError:
+        """Count the coordinator as lost (once); abort the watched epoch so that its collectives end now."""
+        with self._lock:
+            first = self._lost is None
+            lost = self._lost = self._lost or f"lost the coordinator at {self._address[0]}:{self._address[1]} ({exc})"
+            epoch, cb = self._watch_epoch, self._on_abort
+        if first:
+            logger.error("member %d: %s", self.index, lost)
+            for store in (self._store, self._watch_store):
+                if isinstance(store.raw, BoundedStore):
+                    store.raw.give_up(lost)  # a vote waiting on the silent link ends now
+            if cb is not None and epoch >= 0:
+                cb(epoch)
+        return MembershipError(lost)
 
     def _beat(self) -> None:
         store = self._watch_store
@@ -173,7 +203,7 @@ class StoreMembership:
                     store.set(keys.ack(epoch, self.index), "1")
             except Exception as exc:  # noqa: BLE001 - the coordinator went away: nothing to beat for
                 if not self._stop.is_set():
-                    logger.warning("heartbeat of member %d stopped: %s", self.index, exc)
+                    self._lose(exc)
                 return
 
     # ------------------------------------------------------------------ views
@@ -186,10 +216,14 @@ class StoreMembership:
         return prefix_store(keys.transport_prefix(epoch) + channel, _connect(*self._address, self._timeout))
 
     def abort_info(self, epoch: int) -> dict[str, object]:
-        """What the coordinator said when it aborted ``epoch`` (empty if it has not)."""
-        if not self._store.check([keys.abort(epoch)]):
+        """What the coordinator said when it aborted ``epoch`` (empty if it has not, or cannot be asked)."""
+        try:
+            if not self._store.check([keys.abort(epoch)]):
+                return {}
+            raw = self._store.get(keys.abort(epoch))
+        except (RuntimeError, CommTimeoutError) as exc:
+            self._lose(exc)
             return {}
-        raw = self._store.get(keys.abort(epoch))
         try:
             return decode_json(raw, "abort record")
         except ValueError:
@@ -207,12 +241,19 @@ class StoreMembership:
         store = self._store
         delay = 0.001
         while True:
-            view = self._newer_view(after_epoch)
+            if self._lost is not None:
+                raise MembershipError(self._lost)
+            try:
+                view = self._newer_view(after_epoch)
+                failed = store.check([keys.FAILED])
+                shutdown = not failed and store.check([keys.SHUTDOWN])
+            except (RuntimeError, CommTimeoutError) as exc:  # the store went away (DistError is a RuntimeError)
+                raise self._lose(exc) from exc
             if view is not None:
                 return view
-            if store.check([keys.FAILED]):
+            if failed:
                 raise MembershipError(f"the job failed: {store.get(keys.FAILED).decode(errors='replace')}")
-            if store.check([keys.SHUTDOWN]):
+            if shutdown:
                 return None
             if time.monotonic() > deadline:
                 raise CommTimeoutError(f"no epoch after {after_epoch} was formed in time")
@@ -240,7 +281,7 @@ class StoreMembership:
         try:
             n = int(self._store.add(keys.SUSPECT_NEXT, 1)) - 1
             rec = {"member": self.index, "epoch": epoch, "reason": reason[:500]}
-            self._store.set(keys.suspect(n), json.dumps(rec))
+            self._store.set(self._store.private(keys.suspect(n)), json.dumps(rec))
         except Exception as exc:  # noqa: BLE001 - the coordinator also sees exits and heartbeats
             logger.warning("could not report a failure of epoch %d: %s", epoch, exc)
 
@@ -249,36 +290,36 @@ class StoreMembership:
         try:
             n = int(self._store.add(keys.SUSPECT_NEXT, 1)) - 1
             rec = {"member": self.index, "epoch": epoch, "reason": reason[:500], "evict": int(member)}
-            self._store.set(keys.suspect(n), json.dumps(rec))
+            self._store.set(self._store.private(keys.suspect(n)), json.dumps(rec))
         except Exception as exc:  # noqa: BLE001 - a lost request only keeps the straggler
             logger.warning("could not ask for the eviction of member %d: %s", member, exc)
 
     def configured(self, epoch: int) -> None:
         """Tell the coordinator this member built ``epoch``'s transport."""
-        self._store.set(keys.configured(epoch, self.index), "1")
+        try:
+            self._store.set(keys.configured(epoch, self.index), "1")
+        except (RuntimeError, CommTimeoutError) as exc:
+            raise self._lose(exc) from exc
 
     def vote(self, epoch: int, step: int, members: tuple[int, ...], ok: bool, deadline: float) -> bool:
         """The AND-vote of ``step`` over ``epoch``'s ``members``; the same answer on every member.
 
-        Each member writes its (signed) ok-vote, then bumps a counter. A member
-        whose bump reaches the member count reads every vote and, when all are
-        there and ok, writes the decision ``1``: a counter bumped by anyone
-        else decides nothing. A not-ok vote, the abort of the epoch, or the
-        deadline writes ``0``. The decision key is written once
+        Each member writes its (signed) ok-vote, then looks for every member's:
+        the last to write finds them all, reads them and, when all are the
+        job's and ok, writes the decision ``1``. A not-ok vote, the abort of
+        the epoch, or the deadline writes ``0``. The decision key is written once
         (compare-and-set), so every member reads the same value; a decision
         record that is not the job's reads as ``0`` on every member.
         """
         store = self._store
-        key = keys.decision(epoch, step)
+        key = store.private(keys.decision(epoch, step))  # nobody else can write it first
         try:
             if ok and not self.aborted(epoch):
                 store.set(keys.vote(epoch, step, self.index), "1")
-                if store.add(keys.votes(epoch, step), 1) >= len(members):
-                    names = [keys.vote(epoch, step, m) for m in members]
-                    # all present: this is the last ok-vote (every member writes before it bumps)
-                    ballots = store.multi_get(names) if store.raw.check(names) else []
-                    if ballots and all(b == b"1" for b in ballots) and store.create(key, "1") == b"1":
-                        store.set(keys.COMMITTED, str(step))
+                names = [keys.vote(epoch, step, m) for m in members]
+                ballots = store.multi_get(names) if store.raw.check(names) else []
+                if ballots and all(b == b"1" for b in ballots) and store.create(key, "1") == b"1":
+                    store.set(keys.COMMITTED, str(step))
             else:
                 store.create(key, "0")
             delay = 0.0002
@@ -292,6 +333,8 @@ class StoreMembership:
         except RecordError as exc:
             store.reject(key, exc)
             return False
+        except (RuntimeError, CommTimeoutError) as exc:  # no decision can be read: nobody commits without one
+            raise self._lose(exc) from exc
 
     # ------------------------------------------------------------------ end
     def leave(self) -> None:

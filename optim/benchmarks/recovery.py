@@ -13,6 +13,13 @@ from outside and measures, from the signal:
 * ``configured_s``: until every member built the new epoch's transport;
 * ``first_commit_s``: until every member of the new epoch committed its first step.
 
+Two more faults run over :mod:`optim.benchmarks.hosts` (``sparsecomm
+coordinator`` in a process of its own): ``partition`` takes the link of slot
+1's host down (network namespaces; needs root), the same phases measured from
+the cut; ``coordinator`` SIGKILLs the coordinator (the embedded store has no
+standby) and measures ``ended_s``, until every worker gave up with a clear
+error.
+
 Times come from ``time.time()`` in the processes (one machine, one clock). Each
 scenario is repeated and the median reported. Nothing prints here; the CLI does.
 """
@@ -22,7 +29,9 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -33,7 +42,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from resilient_comm.events import read_event_dir
+from optim.benchmarks.hosts import DEFAULT_PORT, Hosts, HostsJob, Loopback, unavailable
+from resilient_comm.events import read_event_dir, read_events
 from resilient_comm.launcher import LaunchConfig, Launcher
 
 __all__ = ["RecoveryBenchConfig", "run_recovery_scenario", "run_recovery_bench", "PHASES"]
@@ -41,8 +51,10 @@ __all__ = ["RecoveryBenchConfig", "run_recovery_scenario", "run_recovery_bench",
 logger = logging.getLogger(__name__)
 
 #: Measured phases, in order.
-PHASES = ("raised_first_s", "raised_s", "detected_s", "configured_s", "first_commit_s")
+PHASES = ("raised_first_s", "raised_s", "detected_s", "configured_s", "first_commit_s", "ended_s")
 _FAULTS = {"sigkill": signal.SIGKILL, "sigstop": signal.SIGSTOP}
+#: Every fault the benchmark injects.
+FAULTS = (*_FAULTS, "partition", "coordinator")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,7 +64,7 @@ class RecoveryBenchConfig:
     Attributes:
         nprocs: Worker counts to run.
         spares: Spares per job (``>= 1``: hot-swap; 0: shrink).
-        faults: ``sigkill`` and/or ``sigstop``.
+        faults: Any of :data:`FAULTS`.
         repeats: Runs per (nproc, fault); the median is reported.
         numel: float32 elements per all_reduce.
         sleep_s: Seconds of "compute" per step.
@@ -76,8 +88,8 @@ class RecoveryBenchConfig:
     def __post_init__(self) -> None:
         if not self.nprocs or any(isinstance(n, bool) or not isinstance(n, int) or n < 2 for n in self.nprocs):
             raise ValueError(f"nprocs: every world size must be an int >= 2, got {self.nprocs!r}")
-        if not self.faults or any(f not in _FAULTS for f in self.faults):
-            raise ValueError(f"faults: choose from {sorted(_FAULTS)}, got {self.faults!r}")
+        if not self.faults or any(f not in FAULTS for f in self.faults):
+            raise ValueError(f"faults: choose from {list(FAULTS)}, got {self.faults!r}")
         for name in ("spares", "numel", "fault_step", "steps_after", "repeats"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name in ("spares", "fault_step") else 1):
@@ -100,9 +112,11 @@ def run_recovery_scenario(
     nproc: int, fault: str, config: RecoveryBenchConfig, *, workdir: str | Path | None = None
 ) -> dict[str, Any]:
     """Run one job, inject one fault, return the phase times (seconds from the signal)."""
-    if fault not in _FAULTS:
-        raise ValueError(f"fault: choose from {sorted(_FAULTS)}, got {fault!r}")
+    if fault not in FAULTS:
+        raise ValueError(f"fault: choose from {list(FAULTS)}, got {fault!r}")
     root = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="sparsecomm-recovery-"))
+    if fault not in _FAULTS:
+        return _hosts_scenario(nproc, fault, config, root) | {"nproc": nproc, "fault": fault, "spares": config.spares}
     logdir = root / f"n{nproc}-{fault}-{time.monotonic_ns()}"
     logdir.mkdir(parents=True)
     steps = config.fault_step + config.steps_after + 1
@@ -166,6 +180,57 @@ def run_recovery_scenario(
         "fault": fault,
         "spares": config.spares,
     }
+
+
+def _hosts_scenario(nproc: int, fault: str, config: RecoveryBenchConfig, root: Path) -> dict[str, Any]:
+    """A job over :class:`~optim.benchmarks.hosts.Hosts` (``partition``) or the loopback (``coordinator``)."""
+    if fault == "partition" and (why := unavailable()) is not None:
+        raise RuntimeError(f"recovery scenario partition: no network namespaces here ({why})")
+    steps = config.fault_step + config.steps_after + 1
+    with Hosts(1 + nproc + config.spares) if fault == "partition" else Loopback() as hosts:
+        job = HostsJob(
+            hosts,
+            root / f"n{nproc}-{fault}-{time.monotonic_ns()}",
+            workers=nproc,
+            spares=config.spares,
+            steps=steps if fault == "partition" else 100 * steps,
+            numel=config.numel,
+            sleep=config.sleep_s,
+            hb=config.heartbeat_timeout_s,
+            mode="hotswap" if config.spares else "shrink",
+            port=_free_port() if fault == "coordinator" else DEFAULT_PORT,
+        )
+        limit = config.timeout_s
+        try:
+            job.wait_event("epoch_configured", limit, epoch=0)
+            job.wait_progress(job.workers[0].pid, config.fault_step, limit)
+            victim = job.workers[1].pid
+            t_fault = time.time()
+            if fault == "coordinator":
+                job.coordinator.send_signal(signal.SIGKILL)
+                for w in job.workers:
+                    w.wait(timeout=limit)
+                ends = [r["time"] for w in job.workers for r in job.log(w.pid) if r["event"] == "error"]
+                if len(ends) < nproc:
+                    raise RuntimeError(f"recovery scenario coordinator: a worker ended without an error ({job.tmp})")
+                return {"survivors": nproc, "ended_s": max(ends) - t_fault}
+            assert isinstance(hosts, Hosts)
+            hosts.cut(2)  # slot 1's host
+            job.wait_event("epoch_configured", limit, epoch=1)
+            os.kill(victim, signal.SIGKILL)  # measured: let the job end without waiting for its deadlines
+            for p in [*job.workers, *job.spares]:
+                if p.pid != victim and p.wait(timeout=limit) != 0:
+                    raise RuntimeError(f"recovery scenario partition: pid {p.pid} exited {p.returncode} ({job.tmp})")
+        except (TimeoutError, subprocess.TimeoutExpired) as exc:
+            raise TimeoutError(f"recovery scenario {fault}: {exc}\n{job.describe()}") from None
+        logs = {int(path.stem): recs for path, recs in read_event_dir(job.log_dir).items()}
+        return _phases(logs, read_events(job.events_path), victim, t_fault)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _until(cond: Callable[[], bool], deadline: float, what: str, launcher: Launcher) -> None:

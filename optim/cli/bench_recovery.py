@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from optim.benchmarks.recovery import PHASES, RecoveryBenchConfig, run_recovery_bench
+from optim.benchmarks.recovery import FAULTS, PHASES, RecoveryBenchConfig, run_recovery_bench
 from optim.cli.options import run_bench
 
 __all__ = ["add_recovery_parser", "format_recovery_table"]
@@ -16,6 +16,7 @@ _LABELS = {
     "detected_s": "detected",
     "configured_s": "epoch configured",
     "first_commit_s": "first commit",
+    "ended_s": "all gave up",
 }
 
 
@@ -23,7 +24,7 @@ def format_recovery_table(bench: dict[str, Any]) -> str:
     """One row per (system, nproc, fault): median seconds from the signal to each phase."""
     cfg = bench["config"]
     head = (
-        f"# recovery after one fault in slot 1; {cfg['spares']} spare(s); heartbeat timeout "
+        f"# recovery after one fault in slot 1 (or the coordinator); {cfg['spares']} spare(s); heartbeat timeout "
         f"{cfg['heartbeat_timeout_s']} s; all_reduce of {cfg['numel']} floats + commit vote per step; "
         f"median of {cfg['repeats']} runs; seconds from the signal"
     )
@@ -67,13 +68,18 @@ def add_recovery_parser(inner: Any) -> None:
     """Register ``bench recovery``."""
     p = inner.add_parser(
         "recovery",
-        help="time from a SIGKILL / SIGSTOP to survivors raising, the new epoch and the first committed step",
+        help="time from a fault (SIGKILL, SIGSTOP, link cut, dead coordinator) to the new epoch and first commit",
         description="Fault-aware all_reduce jobs on local gloo ranks (optim.benchmarks.drill under our launcher).",
     )
     p.add_argument("--nproc", type=int, nargs="+", default=[4, 8], help="worker counts (default 4 8)")
     p.add_argument("--spares", type=int, default=1, help="spares (0: shrink; default 1: hot-swap)")
     p.add_argument(
-        "--fault", nargs="+", choices=("sigkill", "sigstop"), default=["sigkill", "sigstop"], help="faults to inject"
+        "--fault",
+        nargs="+",
+        choices=FAULTS,
+        default=["sigkill", "sigstop"],
+        help="faults to inject: a process killed or stopped, slot 1's host cut off the network (partition; "
+        "needs root), the coordinator killed (coordinator)",
     )
     p.add_argument("--repeats", type=int, default=3, help="runs per scenario (median reported)")
     p.add_argument("--numel", type=int, default=1 << 16, help="float32 elements per all_reduce")

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from bindings.store import open_store
+from optim.benchmarks.hosts import kill_all, wait_for
 from resilient_comm.auth import ControlStore, JobSecret
 from resilient_comm.events import read_event_dir, read_events
 from resilient_comm.keys import COMMITTED
@@ -34,30 +35,10 @@ T = TypeVar("T")
 
 def wait_until(pred: Callable[[], T], timeout: float, what: str, interval: float = 0.005) -> T:
     """Poll ``pred`` until it returns something truthy; fail the test after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(interval)
-
-
-def kill_all(procs: list[subprocess.Popen[bytes]]) -> None:
-    """Resume (SIGCONT) and kill (SIGKILL) every process still running, then reap them (10 s each at most)."""
-    for p in procs:
-        if p.poll() is None:
-            for sig in (signal.SIGCONT, signal.SIGKILL):
-                try:
-                    os.kill(p.pid, sig)
-                except ProcessLookupError:
-                    pass
-    for p in procs:
-        try:
-            p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
+    try:
+        return wait_for(pred, timeout, what, interval)
+    except TimeoutError as exc:
+        raise AssertionError(str(exc)) from None
 
 
 class JobWatch:

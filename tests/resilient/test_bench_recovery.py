@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from optim.benchmarks.hosts import unavailable
 from optim.benchmarks.recovery import PHASES, RecoveryBenchConfig, run_recovery_bench
 from optim.cli.bench_recovery import format_recovery_table
 
@@ -28,7 +29,9 @@ def test_recovery_bench_sigkill_hotswap(tmp_path: Path) -> None:
     (run,) = row["runs"]
     assert run["hot_swap"] and run["survivors"] == 2 and run["survivors_raised"] == 2
     for phase in PHASES:
-        assert run[phase] is not None and run[phase] > 0, phase
+        if phase != "ended_s":  # only a lost coordinator ends the job
+            assert run[phase] is not None and run[phase] > 0, phase
+    assert run.get("ended_s") is None
     # the order of the protocol: detection and raising come before the epoch, the epoch before the commit
     assert run["raised_first_s"] <= run["raised_s"] < run["first_commit_s"]
     assert run["detected_s"] < run["configured_s"] < run["first_commit_s"]
@@ -43,3 +46,21 @@ def test_recovery_bench_reports_a_failed_job_at_once() -> None:
     config = RecoveryBenchConfig(nprocs=(2,), faults=("sigkill",), repeats=1, fault_step=2, steps_after=2)
     with pytest.raises(RuntimeError, match="no quorum"):
         run_recovery_bench(config)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(unavailable() is not None, reason=f"no network namespaces: {unavailable()}")
+def test_recovery_bench_partition_and_lost_coordinator() -> None:
+    config = RecoveryBenchConfig(
+        nprocs=(3,), faults=("partition", "coordinator"), repeats=1, fault_step=3, steps_after=3
+    )
+    bench = run_recovery_bench(config)
+    cut, lost = bench["rows"]
+    (run,) = cut["runs"]
+    assert cut["fault"] == "partition" and run["hot_swap"] and run["survivors"] == 2
+    hb = config.heartbeat_timeout_s
+    assert hb * 0.9 < run["detected_s"] < run["configured_s"] < run["first_commit_s"], run  # silence: not before hb
+    (run,) = lost["runs"]
+    assert lost["fault"] == "coordinator" and 0 < run["ended_s"] < hb, run
+    table = format_recovery_table(bench)
+    assert "partition" in table and "all gave up" in table

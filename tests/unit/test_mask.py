@@ -271,7 +271,7 @@ def _structured_scores(n: int, seed: int) -> torch.Tensor:
     for i, (lo, hi) in enumerate(zip([0, *cuts], [*cuts, n], strict=True)):
         x[lo:hi] *= 10.0 ** (i % 4 - 2)
     period = int(torch.randint(16, 700, (1,), generator=g))
-    x[:: period] *= 50.0  # a row-periodic pattern a strided sample can alias with
+    x[::period] *= 50.0  # a row-periodic pattern a strided sample can alias with
     x[n // 3 : n // 3 + n // 50] = float("inf")  # the exploration window
     x[torch.randint(0, n, (n // 20,), generator=g)] = 0.5  # ties
     x[torch.randint(0, n, (n // 200,), generator=g)] = float("nan")

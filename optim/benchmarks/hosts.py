@@ -1,0 +1,312 @@
+"""Several "hosts" on one machine, and a drill job spread over them (for the recovery benchmark and the tests).
+
+:class:`Hosts` makes one network namespace per host, each with its own
+address on a private /24 and its own loopback (so nothing reaches another
+host through 127.0.0.1), joined by a bridge in the root namespace that has no
+address of its own. :meth:`Hosts.run` starts a command inside a host (``ip
+netns exec``; only the network is separate: pids and files are shared), and
+:meth:`Hosts.cut` takes a host's link down, which silences its TCP connections
+without resetting them, as a dead switch port does. :meth:`Hosts.close` (also
+the context manager's exit) kills what was started and removes every
+namespace and link, even after an error. Needs root and ``ip``;
+:func:`unavailable` says why not where they are missing. :class:`Loopback`
+offers the same calls on this machine's loopback, without cuts.
+
+:class:`HostsJob` runs ``sparsecomm coordinator`` in host 0 and one
+:mod:`optim.benchmarks.drill` worker per further host (spares after them).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+from resilient_comm.events import read_event_dir, read_events
+
+__all__ = ["DEFAULT_PORT", "Hosts", "HostsJob", "Loopback", "kill_all", "unavailable", "wait_for"]
+
+#: The coordinator's port in :class:`HostsJob` (each namespace has its own ports).
+DEFAULT_PORT = 29400
+REPO_ROOT = str(Path(__file__).resolve().parents[2])
+
+T = TypeVar("T")
+
+
+def wait_for(pred: Callable[[], T], timeout: float, what: str, interval: float = 0.005) -> T:
+    """Poll ``pred`` until it returns something truthy; ``TimeoutError`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+def kill_all(procs: Sequence[subprocess.Popen[bytes]]) -> None:
+    """Resume (SIGCONT) and kill (SIGKILL) every process still running, then reap them (10 s each at most)."""
+    for p in procs:
+        if p.poll() is None:
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.kill(p.pid, sig)
+                except ProcessLookupError:
+                    pass
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
+
+
+def unavailable() -> str | None:
+    """Why namespaces cannot be made here (``None``: they can)."""
+    if shutil.which("ip") is None:
+        return "the ip command (iproute2) is missing"
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    probe = f"scprobe{os.getpid()}"
+    made = _ip("netns", "add", probe, check=False)
+    if made.returncode != 0:
+        return f"ip netns add failed: {made.stderr.strip()}"
+    _ip("netns", "del", probe, check=False)
+    return None
+
+
+class _Hosts(Protocol):
+    def run(
+        self, i: int, argv: Sequence[str], env: Mapping[str, str] | None = None, **kw: object
+    ) -> subprocess.Popen[bytes]: ...
+
+    def address(self, i: int) -> str: ...
+
+    def interface(self, i: int) -> str: ...
+
+
+class Hosts:
+    """``n`` hosts on one bridge: host ``i`` is namespace :meth:`ns` with address :meth:`address`.
+
+    Args:
+        n: Number of hosts (at most 250).
+    """
+
+    def __init__(self, n: int) -> None:
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 250:
+            raise ValueError(f"n: expected 1..250 hosts, got {n!r}")
+        tag = os.getpid() % 100_000
+        self._tag = tag
+        self._subnet = f"10.{200 + tag % 50}.{tag % 250}"
+        self.n = n
+        self._bridge = f"scb{tag}"
+        self._procs: list[subprocess.Popen[bytes]] = []
+        self._made: list[str] = []
+        try:
+            _ip("link", "add", self._bridge, "type", "bridge")
+            _ip("link", "set", self._bridge, "up")
+            for i in range(n):
+                self._add(i)
+        except BaseException:
+            self.close()
+            raise
+
+    def ns(self, i: int) -> str:
+        """Namespace name of host ``i``."""
+        return f"sc{self._tag}h{i}"
+
+    def address(self, i: int) -> str:
+        """IPv4 address of host ``i``."""
+        return f"{self._subnet}.{i + 1}"
+
+    def interface(self, i: int) -> str:
+        """Host ``i``'s interface name inside its namespace (for ``GLOO_SOCKET_IFNAME``)."""
+        return "eth0"
+
+    def _outer(self, i: int) -> str:
+        return f"scv{self._tag}x{i}"
+
+    def _add(self, i: int) -> None:
+        ns, outer = self.ns(i), self._outer(i)
+        _ip("netns", "add", ns)
+        self._made.append(ns)
+        inner = f"scp{self._tag}x{i}"  # renamed once inside the namespace
+        _ip("link", "add", outer, "type", "veth", "peer", "name", inner)
+        _ip("link", "set", inner, "netns", ns)
+        _ip("-n", ns, "link", "set", inner, "name", self.interface(i))
+        _ip("-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", self.interface(i))
+        _ip("-n", ns, "link", "set", self.interface(i), "up")
+        _ip("-n", ns, "link", "set", "lo", "up")
+        _ip("link", "set", outer, "master", self._bridge)
+        _ip("link", "set", outer, "up")
+
+    def run(
+        self, i: int, argv: Sequence[str], env: Mapping[str, str] | None = None, **kw: object
+    ) -> subprocess.Popen[bytes]:
+        """Start ``argv`` inside host ``i`` (``env`` added to this process's environment)."""
+        full = {**os.environ, **(env or {})}
+        proc = subprocess.Popen(["ip", "netns", "exec", self.ns(i), *argv], env=full, **kw)  # type: ignore[call-overload]
+        self._procs.append(proc)
+        return proc
+
+    def cut(self, i: int) -> None:
+        """Take host ``i``'s link down: its peers' connections go silent (no reset)."""
+        _ip("link", "set", self._outer(i), "down")
+
+    def restore(self, i: int) -> None:
+        """Bring host ``i``'s link back up."""
+        _ip("link", "set", self._outer(i), "up")
+
+    def close(self) -> None:
+        """Kill every process started here, then remove the namespaces and the bridge."""
+        kill_all(self._procs)
+        for i in range(len(self._made)):  # deleting one end removes the pair at once (sockets left on a cut
+            _ip("link", "del", self._outer(i), check=False)  # link would keep the namespace and its link)
+        for ns in self._made:
+            _ip("netns", "del", ns, check=False)
+        self._made = []
+        _ip("link", "del", self._bridge, check=False)
+
+    def __enter__(self) -> Hosts:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Loopback:
+    """Every "host" is this machine's loopback: processes start here; :meth:`close` kills what is left."""
+
+    def __init__(self) -> None:
+        self._procs: list[subprocess.Popen[bytes]] = []
+
+    def run(
+        self, i: int, argv: Sequence[str], env: Mapping[str, str] | None = None, **kw: object
+    ) -> subprocess.Popen[bytes]:
+        """Start ``argv`` here (``env`` added to this process's environment)."""
+        proc = subprocess.Popen(list(argv), env={**os.environ, **(env or {})}, **kw)  # type: ignore[call-overload]
+        self._procs.append(proc)
+        return proc
+
+    def address(self, i: int) -> str:
+        """Every host is 127.0.0.1."""
+        return "127.0.0.1"
+
+    def interface(self, i: int) -> str:
+        """The loopback interface."""
+        return "lo"
+
+    def close(self) -> None:
+        """Kill every process started here."""
+        kill_all(self._procs)
+
+    def __enter__(self) -> Loopback:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class HostsJob:
+    """A coordinator in host 0 (``sparsecomm coordinator``), one drill worker per further host, then spares.
+
+    Args:
+        hosts: Where to run (:class:`Hosts` with at least ``1 + workers + spares`` hosts, or :class:`Loopback`).
+        workdir: Directory for the job secret, the coordinator's events and the drill logs.
+        workers: Workers of the first epoch (hosts ``1..workers``).
+        spares: Spares (the hosts after the workers).
+        steps, numel, sleep: Drill arguments.
+        hb: The coordinator's heartbeat timeout (seconds).
+        grace: Its stall grace (seconds).
+        mode: ``hotswap`` or ``shrink``.
+        port: The coordinator's port.
+        timeout: The workers' communicator timeout (every wait, a silent link included).
+    """
+
+    def __init__(
+        self,
+        hosts: _Hosts,
+        workdir: Path,
+        *,
+        workers: int,
+        steps: int,
+        hb: float,
+        spares: int = 0,
+        numel: int = 1024,
+        sleep: float = 0.03,
+        grace: float = 20.0,
+        mode: str = "shrink",
+        port: int = DEFAULT_PORT,
+        timeout: float = 20.0,
+    ) -> None:
+        self.hosts, self.tmp, self.steps = hosts, Path(workdir), steps
+        self.events_path = self.tmp / "coordinator.jsonl"
+        self.log_dir = self.tmp / "drill"
+        self.log_dir.mkdir(parents=True)
+        secret = self.tmp / "job.secret"
+        job = f"hostsjob{time.monotonic_ns() % 10**9}"
+        argv = [sys.executable, "-m", "optim", "coordinator", "--world-size", str(workers), "--mode", mode]
+        argv += ["--heartbeat-timeout", str(hb), "--stall-grace", str(grace), "--host", hosts.address(0)]
+        argv += ["--port", str(port), "--events", str(self.events_path), "--job", job, "--secret-file", str(secret)]
+        path = os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH", "")]))
+        self.coordinator = hosts.run(0, argv, env={"PYTHONPATH": path}, stdout=subprocess.PIPE)
+        assert self.coordinator.stdout is not None
+        banner = self.coordinator.stdout.readline().decode()
+        if f"SPARSECOMM_COORDINATOR={hosts.address(0)}:{port}" not in banner:
+            raise RuntimeError(f"the coordinator did not start: {banner!r}")
+        env = {
+            "PYTHONPATH": path,
+            "SPARSECOMM_COORDINATOR": f"{hosts.address(0)}:{port}",
+            "SPARSECOMM_JOB_ID": job,
+            "SPARSECOMM_JOB_SECRET_FILE": str(secret),
+            "SPARSECOMM_BACKEND": "gloo",
+        }
+        drill = [sys.executable, "-m", "optim.benchmarks.drill", "--steps", str(steps), "--numel", str(numel)]
+        drill += ["--sleep", str(sleep), "--log", str(self.log_dir), "--timeout", str(timeout)]
+
+        def start(host: int, role: str, slot: int) -> subprocess.Popen[bytes]:
+            more = {"SPARSECOMM_ROLE": role, "SPARSECOMM_SLOT": str(slot), "GLOO_SOCKET_IFNAME": hosts.interface(host)}
+            return hosts.run(host, drill, env={**env, **more})
+
+        self.workers = [start(1 + s, "active", s) for s in range(workers)]
+        self.spares = [start(1 + workers + k, "spare", -1) for k in range(spares)]
+
+    def events(self, name: str, **match: Any) -> list[dict[str, Any]]:
+        """The coordinator's events of kind ``name`` with the given field values."""
+        recs = read_events(self.events_path, missing_ok=True)
+        return [e for e in recs if e["event"] == name and all(e.get(k) == v for k, v in match.items())]
+
+    def wait_event(self, name: str, timeout: float, **match: Any) -> dict[str, Any]:
+        """The first such event, once there is one (``TimeoutError`` after ``timeout`` s)."""
+        return wait_for(lambda: self.events(name, **match), timeout, f"coordinator event {name} {match}", 0.01)[0]
+
+    def log(self, pid: int) -> list[dict[str, Any]]:
+        """Drill log of process ``pid``."""
+        return read_events(self.log_dir / f"{pid}.jsonl", missing_ok=True)
+
+    def committed(self, pid: int) -> list[int]:
+        """Steps process ``pid`` committed, in order."""
+        return [r["step"] for r in self.log(pid) if r["event"] == "committed"]
+
+    def wait_progress(self, pid: int, step: int, timeout: float = 60.0) -> None:
+        """Wait until process ``pid`` committed ``step``."""
+        wait_for(lambda: max(self.committed(pid), default=-1) >= step, timeout, f"pid {pid} to commit {step}")
+
+    def describe(self) -> str:
+        """The coordinator's events and each process's last few records, for an error message."""
+        recs = read_events(self.events_path, missing_ok=True)
+        lines = [f"{e['time']:.3f} {e['event']} {e.get('reason', '')}" for e in recs]
+        for path, recs in read_event_dir(self.log_dir).items():
+            tail = [r for r in recs if r["event"] != "committed"][-3:]
+            lines.append(f"{path.stem}: {tail}"[:500])
+        return "\n".join(lines)
