@@ -323,7 +323,7 @@ class StoreMembership:
             else:
                 store.create(key, "0")
             delay = 0.0002
-            while not store.check([key]):
+            while not store.raw.check([key]):  # presence only: the value is checked once, below
                 if self.aborted(epoch) or time.monotonic() > deadline:
                     store.create(key, "0")
                     break

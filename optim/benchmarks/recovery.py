@@ -256,14 +256,17 @@ def _phases(
     ]
     survivors = [pid for pid, recs in logs.items() if pid != victim and any(r["event"] == "joined" for r in recs)]
     detected = min(e["time"] for e in events if e["event"] == "failure_detected" and e["pid"] == victim)
-    configured = min(e["time"] for e in events if e["event"] == "epoch_configured" and (e["epoch"] or 0) >= 1)
+    # an overloaded machine can lose a member before the fault (a heartbeat silent past its timeout while
+    # every process starts): the phases belong to the first epoch formed after the fault
+    before = max(e["epoch"] for e in events if e["event"] == "epoch_proposed" and e["time"] < t_fault)
+    configured = min(e["time"] for e in events if e["event"] == "epoch_configured" and (e["epoch"] or 0) > before)
     members = [pid for pid, recs in logs.items() if pid != victim and any(r["event"] == "done" for r in recs)]
-    first_commit = [
-        min(r["time"] for r in logs[pid] if r["event"] == "committed" and r["epoch"] >= 1 and r["time"] >= t_fault)
-        for pid in members
-        if any(r["event"] == "committed" and r["epoch"] >= 1 for r in logs[pid])
-    ]
-    promoted = any(r["event"] == "promoted" for recs in logs.values() for r in recs)
+
+    def after(r: dict[str, Any]) -> bool:
+        return r["event"] == "committed" and r["epoch"] > before and r["time"] >= t_fault
+
+    first_commit = [min(r["time"] for r in logs[p] if after(r)) for p in members if any(after(r) for r in logs[p])]
+    promoted = any(r["event"] == "promoted" and r["time"] >= t_fault for recs in logs.values() for r in recs)
     return {
         "survivors": len(survivors),
         "survivors_raised": len(raised),
@@ -273,6 +276,7 @@ def _phases(
         "configured_s": configured - t_fault,
         "first_commit_s": max(first_commit) - t_fault if first_commit else None,
         "hot_swap": promoted,
+        "epochs_before_fault": before,
     }
 
 
