@@ -119,6 +119,9 @@ class BoundedStore:
     def check(self, keys: Sequence[str]) -> bool:
         return bool(self._call("check", self._store.check, list(keys)))
 
+    def delete_key(self, key: str) -> bool:
+        return bool(self._call("delete_key", self._store.delete_key, key))
+
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
         return [bytes(v) for v in self._call("multi_get", self._store.multi_get, list(keys))]
 

@@ -145,6 +145,10 @@ class JobSecret:
         mac = hmac.new(self._key, key.encode() + b"\0" + value, hashlib.sha256)
         return mac.hexdigest()[:_TAG_HEX].encode()
 
+    def key_name(self, name: str) -> str:
+        """``name`` with a suffix only holders of this secret can compute."""
+        return f"{name}/{self._tag('name:' + name, b'')[:16].decode()}"
+
     def sign(self, key: str, value: bytes) -> bytes:
         """The record to store at ``key``: ``value`` with its tag."""
         return _TAG + self._tag(key, value) + b":" + value
@@ -172,6 +176,10 @@ class _KV(Protocol):
     def check(self, keys: list[str]) -> bool: ...
 
     def compare_set(self, key: str, expected: str, desired: str) -> bytes: ...
+
+    def multi_get(self, keys: list[str]) -> list[bytes]: ...
+
+    def delete_key(self, key: str) -> bool: ...
 
 
 class ControlStore:
@@ -211,9 +219,7 @@ class ControlStore:
         an intruder can list the keys written so far, but cannot write one of
         these before its owner does.
         """
-        if self.secret is None:
-            return name
-        return f"{name}/{self.secret._tag('name:' + name, b'')[:16].decode()}"
+        return name if self.secret is None else self.secret.key_name(name)
 
     def reject(self, key: str, exc: Exception) -> None:
         """Log a record that was not accepted (once per key)."""
@@ -252,7 +258,7 @@ class ControlStore:
     def multi_get(self, keys: Sequence[str]) -> list[bytes | None]:
         """Read records that exist; a rejected one reads as ``None`` (and is logged)."""
         out: list[bytes | None] = []
-        for key, record in zip(keys, self.raw.multi_get(list(keys)), strict=True):  # type: ignore[attr-defined]
+        for key, record in zip(keys, self.raw.multi_get(list(keys)), strict=True):
             try:
                 out.append(self._open(key, bytes(record)))
             except RecordError as exc:

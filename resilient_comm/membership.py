@@ -126,6 +126,7 @@ class StoreMembership:
         self._store.set(self._store.private(keys.member(self.index)), self.info.to_json())
         self._watch_store = _bounded(host, port, timeout, secret)
         self._lost: str | None = None  # why the coordinator counts as lost
+        self._last_commit: tuple[int, int] | None = None  # (epoch, step) of this member's last committed vote
         self._watch_epoch = -1  # the epoch whose abort the watcher looks for (-1: none)
         self._aborted_upto = -1  # newest epoch whose abort was seen
         self._on_abort: Callable[[int], None] | None = None
@@ -310,6 +311,11 @@ class StoreMembership:
         the epoch, or the deadline writes ``0``. The decision key is written once
         (compare-and-set), so every member reads the same value; a decision
         record that is not the job's reads as ``0`` on every member.
+
+        A committed step retires the records of the one this member committed
+        before it in the epoch (its ballot; slot 0 also the decision): every
+        member wrote a ballot for this step, so every member has read that
+        decision. The store stays the same size however long the job runs.
         """
         store = self._store
         key = store.private(keys.decision(epoch, step))  # nobody else can write it first
@@ -329,12 +335,23 @@ class StoreMembership:
                     break
                 time.sleep(delay)
                 delay = min(delay * 2, 0.005)
-            return store.get(key) == b"1"
+            committed = store.get(key) == b"1"
+            if committed:
+                self._retire(epoch, step, members)
+            return committed
         except RecordError as exc:
             store.reject(key, exc)
             return False
         except (RuntimeError, CommTimeoutError) as exc:  # no decision can be read: nobody commits without one
             raise self._lose(exc) from exc
+
+    def _retire(self, epoch: int, step: int, members: tuple[int, ...]) -> None:
+        last, self._last_commit = self._last_commit, (epoch, step)
+        if last is None or last[0] != epoch:
+            return
+        self._store.raw.delete_key(keys.vote(epoch, last[1], self.index))
+        if members and members[0] == self.index:
+            self._store.raw.delete_key(self._store.private(keys.decision(epoch, last[1])))
 
     # ------------------------------------------------------------------ end
     def leave(self) -> None:

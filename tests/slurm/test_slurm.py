@@ -99,7 +99,7 @@ def test_fault_tolerant_example_with_a_spare_under_srun(slurm: SlurmCluster, tmp
         assert coord.stdout is not None
         line = coord.stdout.readline()
         fields = dict(kv.split("=", 1) for kv in line.split())
-        assert set(fields) == {"SPARSECOMM_COORDINATOR", "SPARSECOMM_JOB_ID"}, line
+        assert set(fields) == {"SPARSECOMM_COORDINATOR", "SPARSECOMM_JOB_ID", "SPARSECOMM_JOB_SECRET_FILE"}, line
         job = fields["SPARSECOMM_JOB_ID"]
         # 3 workers (a majority survives one loss) and task 3 the spare: the README's recipe,
         # SPARSECOMM_ROLE=spare for the tasks past the world size
