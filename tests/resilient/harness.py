@@ -25,8 +25,9 @@ from resilient_comm.auth import ControlStore, JobSecret
 from resilient_comm.events import read_event_dir, read_events
 from resilient_comm.keys import COMMITTED
 from resilient_comm.launcher import LaunchConfig, Launcher
+from resilient_comm.membership import StoreMembership
 
-__all__ = ["DrillJob", "JobWatch", "REPO_ROOT", "check_contiguous", "kill_all", "wait_until"]
+__all__ = ["DrillJob", "JobWatch", "REPO_ROOT", "check_contiguous", "kill_all", "vote_in_threads", "wait_until"]
 
 REPO_ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -39,6 +40,25 @@ def wait_until(pred: Callable[[], T], timeout: float, what: str, interval: float
         return wait_for(pred, timeout, what, interval)
     except TimeoutError as exc:
         raise AssertionError(str(exc)) from None
+
+
+def vote_in_threads(
+    members: list[StoreMembership], epoch: int, step: int, view_members: tuple[int, ...], oks: list[bool] | None = None
+) -> list[bool]:
+    """Every member votes ``step`` at once, each in a thread of its own (ok unless ``oks`` says not); the answers."""
+    oks = [True] * len(members) if oks is None else oks
+    out = [False] * len(members)
+
+    def run(i: int) -> None:
+        out[i] = members[i].vote(epoch, step, view_members, oks[i], time.monotonic() + 10)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(members))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert not any(t.is_alive() for t in threads), "a vote did not end by its deadline"
+    return out
 
 
 class JobWatch:

@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -21,28 +20,13 @@ from resilient_comm.auth import ENV_SECRET, ENV_SECRET_FILE, JobSecret
 from resilient_comm.coordinator import Coordinator, CoordinatorConfig
 from resilient_comm.errors import MembershipError
 from resilient_comm.membership import StoreMembership, parse_address
-from tests.resilient.harness import REPO_ROOT, DrillJob, check_contiguous, wait_until
+from tests.resilient.harness import REPO_ROOT, DrillJob, check_contiguous, vote_in_threads, wait_until
 
 
 @pytest.fixture(autouse=True)
 def _no_secret_in_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ENV_SECRET, raising=False)
     monkeypatch.delenv(ENV_SECRET_FILE, raising=False)
-
-
-def _vote_all(members: list[StoreMembership], epoch: int, step: int, view_members: tuple[int, ...]) -> list[bool]:
-    out: list[bool] = [False] * len(members)
-
-    def run(i: int) -> None:
-        out[i] = members[i].vote(epoch, step, view_members, True, time.monotonic() + 10)
-
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(members))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(20)
-    assert not any(t.is_alive() for t in threads), "a vote did not end by its deadline"
-    return out
 
 
 @pytest.mark.timeout(60)
@@ -186,7 +170,7 @@ def test_hostile_records_are_rejected_and_the_job_keeps_running() -> None:
             assert coord.view == view and set(coord.members()) == {m.index for m in members}
             assert not any(m.aborted(0) for m in members)
             s = next(step)
-            assert _vote_all(members, 0, s, view.members) == [True, True]
+            assert vote_in_threads(members, 0, s, view.members) == [True, True]
             with pytest.raises(CommTimeoutError):
                 members[0].wait_view(0, time.monotonic() + 0.02)  # no forged epoch, failure or shutdown counts
 

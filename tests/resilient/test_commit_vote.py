@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from datetime import timedelta
 
@@ -12,22 +11,7 @@ from bindings.store import open_store
 from resilient_comm.auth import JobSecret
 from resilient_comm.coordinator import Coordinator, CoordinatorConfig
 from resilient_comm.membership import StoreMembership, parse_address
-from tests.resilient.harness import wait_until
-
-
-def _votes(members: list[StoreMembership], step: int, oks: list[bool], view_members: tuple[int, ...]) -> list[bool]:
-    out = [False] * len(members)
-
-    def run(i: int) -> None:
-        out[i] = members[i].vote(0, step, view_members, oks[i], time.monotonic() + 10)
-
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(members))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(20)
-    assert not any(t.is_alive() for t in threads), "a vote did not end by its deadline"
-    return out
+from tests.resilient.harness import vote_in_threads, wait_until
 
 
 @pytest.mark.timeout(120)
@@ -47,14 +31,14 @@ def test_votes_agree_and_the_store_does_not_grow_with_the_steps(signed: bool) ->
         probe = open_store(*parse_address(coord.address), server=False, timeout=timedelta(seconds=5))
         sizes = []
         for step in range(60):
-            assert _votes(members, step, [True] * 3, view.members) == [True] * 3
+            assert vote_in_threads(members, 0, step, view.members) == [True] * 3
             if step in (9, 59):
                 sizes.append(probe.num_keys())
         assert coord.committed_step() == 59
         assert sizes[1] <= sizes[0], sizes  # 50 more steps, no more keys
         # one member votes no: nobody commits, on every member; the next step commits again
-        assert _votes(members, 60, [True, False, True], view.members) == [False] * 3
-        assert _votes(members, 61, [True] * 3, view.members) == [True] * 3
+        assert vote_in_threads(members, 0, 60, view.members, [True, False, True]) == [False] * 3
+        assert vote_in_threads(members, 0, 61, view.members) == [True] * 3
     finally:
         for m in members:
             m.leave()
