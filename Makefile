@@ -11,7 +11,7 @@ BIN := $(VENV)/bin
 # checked against a failure-free reference run (override: make train TRAIN_ARGS="...").
 TRAIN_ARGS ?= --optimizer local-adams --density 0.01 --spares 1 --kill 2@150
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= mpi,dev,trainers,bench
+EXTRAS ?= mpi,dev,trainers,bench,etcd
 comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 PYTEST_ARGS ?=
@@ -22,7 +22,8 @@ train: $(STAMP)
 	$(BIN)/sparsecomm train $(TRAIN_ARGS)
 
 test: $(STAMP)
-	sh tests/slurm/install.sh
+	sh tests/install_debian.sh tests/slurm slurmd slurmctld slurmd slurm-client munge
+	sh tests/install_debian.sh tests/resilient/test_etcd.py etcd etcd-server
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The inner loop: everything that starts no rank processes and no mpirun (unit tests), in well under 2 minutes.

@@ -23,7 +23,53 @@ from torch.distributed import PrefixStore, Store, TCPStore
 
 from bindings.errors import CommTimeoutError
 
-__all__ = ["Store", "BoundedStore", "open_store", "prefix_store"]
+__all__ = [
+    "Store",
+    "BoundedStore",
+    "check_address",
+    "connect_store",
+    "is_etcd",
+    "open_store",
+    "parse_address",
+    "prefix_store",
+]
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """Split ``host:port`` (``[v6]:port`` too), or raise ``ValueError``."""
+    if not isinstance(address, str) or ":" not in address:
+        raise ValueError(f"address: expected 'host:port', got {address!r}")
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"address: expected 'host:port', got {address!r}")
+    return host, int(port)
+
+
+def is_etcd(address: str) -> bool:
+    """Whether ``address`` names an etcd-kept store (``etcd://...``) rather than a coordinator's ``host:port``."""
+    return isinstance(address, str) and address.startswith("etcd://")
+
+
+def check_address(address: str) -> str:
+    """``address`` if it is ``host:port`` or a well-formed ``etcd://`` address; else ``ValueError``."""
+    if is_etcd(address):
+        from bindings.etcd_store import parse_etcd
+
+        parse_etcd(address)
+    else:
+        parse_address(address)
+    return address
+
+
+def connect_store(address: str, timeout: timedelta) -> Store:
+    """A client of the job's store: the coordinator's ``TCPStore`` at ``host:port``, or an etcd cluster."""
+    if is_etcd(address):
+        from bindings.etcd_store import EtcdStore
+
+        return EtcdStore(address, timeout)
+    host, port = parse_address(address)
+    return open_store(host, port, server=False, timeout=timeout)
 
 
 def open_store(host: str, port: int, *, server: bool, timeout: timedelta) -> TCPStore:
@@ -35,7 +81,12 @@ def open_store(host: str, port: int, *, server: bool, timeout: timedelta) -> TCP
 
 
 def prefix_store(prefix: str, store: Store) -> Store:
-    """A view of ``store`` whose keys all start with ``prefix`` (one per transport epoch)."""
+    """A view of ``store`` whose keys all start with ``prefix`` (one per transport epoch).
+
+    A store written in Python (e.g. :class:`~bindings.etcd_store.EtcdStore`)
+    must stay referenced from Python while the view is used: the view holds
+    only its C++ side.
+    """
     return PrefixStore(prefix, store)
 
 

@@ -40,6 +40,13 @@ class CoordinatorConfig:
         events: File for the JSON-lines event log (``None``: memory only).
         secret: The job secret that signs every record (see
             :mod:`resilient_comm.auth`); ``None`` only on loopback.
+        store: Where the job's control-plane store lives. ``"tcp"`` (the
+            default): this coordinator hosts a ``TCPStore`` at ``host:port``,
+            and the job ends when it is lost. ``"etcd://HOST:PORT,...[/PREFIX]"``:
+            an etcd v3 cluster; the job's keys go under ``PREFIX/JOB``, any
+            number of coordinators started with the same job id and secret
+            share the job (one active, the others standby, see
+            :mod:`resilient_comm.standby`), and ``host``/``port`` are unused.
     """
 
     world_size: int
@@ -58,8 +65,25 @@ class CoordinatorConfig:
     poll_interval: timedelta = timedelta(milliseconds=10)
     events: str | None = None
     secret: JobSecret | None = field(default=None, repr=False)
+    store: str = "tcp"
+
+    @property
+    def store_address(self) -> str:
+        """What members connect to for a job kept in etcd: the store's address with the job id added to its prefix."""
+        from bindings.etcd_store import EtcdAddress, parse_etcd
+
+        where = parse_etcd(self.store)
+        return str(EtcdAddress(endpoints=where.endpoints, prefix=f"{where.prefix}/{self.job}"))
 
     def __post_init__(self) -> None:
+        if self.store != "tcp":
+            from bindings.etcd_store import parse_etcd
+
+            if not isinstance(self.store, str) or not self.store.startswith("etcd://"):
+                raise ValueError(f"store: expected 'tcp' or 'etcd://HOST:PORT,...', got {self.store!r}")
+            where = parse_etcd(self.store)
+            if self.secret is None and not all(is_loopback(h) for h, _ in where.endpoints):
+                raise ValueError(f"store {self.store!r}: an etcd cluster beyond loopback needs a job secret")
         if self.secret is not None and not isinstance(self.secret, JobSecret):
             raise TypeError(f"secret: expected a JobSecret or None, got {type(self.secret).__name__}")
         if self.secret is None and not is_loopback(self.host):

@@ -40,15 +40,18 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from bindings.store import open_store
+from bindings.errors import CommError
+from bindings.store import connect_store, open_store
 from resilient_comm import keys
 from resilient_comm.auth import ControlStore, RecordError
 from resilient_comm.config import CoordinatorConfig
 from resilient_comm.errors import MembershipError
 from resilient_comm.events import EventLog
+from resilient_comm.evidence import Suspicion, refusal_fields
 from resilient_comm.inbox import Inbox
 from resilient_comm.plan import majority, plan_next_epoch
-from resilient_comm.view import MemberInfo, View, decode_json
+from resilient_comm.standby import FencedError, Handover, Leadership
+from resilient_comm.view import MemberInfo, View
 
 __all__ = ["Coordinator", "CoordinatorConfig"]
 
@@ -83,20 +86,25 @@ class Coordinator:
         self._stop = threading.Event()
         self._exits: queue.Queue[tuple[int, int]] = queue.Queue()
         self._lock = threading.Lock()
-        self._members: dict[int, MemberInfo] = {}
+        self._leadership: Leadership | None = None
+        self._reset()
+        self._failed: str | None = None
+
+    def _reset(self) -> None:
+        """Forget everything learnt about the job (a coordinator taking over reads it back from the store)."""
+        with self._lock:
+            self._members: dict[int, MemberInfo] = {}
+            self._spares: list[int] = []
+            self._view: View | None = None
         self._hb: dict[int, tuple[int, float]] = {}
-        self._dead: set[int] = set()
-        self._left: set[int] = set()
-        self._spares: list[int] = []
+        self._dead, self._left = set[int](), set[int]()  # members dead / gone cleanly
         self._registrations: Inbox | None = None
         self._suspicions: Inbox | None = None
         self._refusals: Inbox | None = None
         self._suspected: set[int] = set()  # epochs with a suspicion not yet acted on
-        self._refusal_count = 0
         self._stalled: set[str] = set()  # kinds of silence without quorum being waited out (logged once each)
-        self._view: View | None = None
-        self._failed: str | None = None
-        self._shutdown = False
+        self._saved: str | None = None  # the state last kept in the store (etcd only)
+        self._refusal_count, self._shutdown = 0, False
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -104,26 +112,85 @@ class Coordinator:
         if self._store is not None:
             raise RuntimeError("coordinator: already started")
         cfg = self.config
-        raw = open_store(cfg.host, cfg.port, server=True, timeout=timedelta(seconds=30))
-        if cfg.secret is not None:
-            raw.set(keys.AUTH, keys.AUTH_HMAC.decode())
-        self._store = store = ControlStore(raw, cfg.secret)
-        patience = (cfg.heartbeat_timeout + cfg.stall_grace).total_seconds()
-        self._registrations = Inbox(store, keys.MEMBERS_NEXT, lambda i: store.private(keys.member(i)), patience)
-        self._suspicions = Inbox(store, keys.SUSPECT_NEXT, lambda i: store.private(keys.suspect(i)), patience)
-        self._refusals = Inbox(store, keys.REFUSED_NEXT, keys.refused, patience, read=store.unverified)
-        store.set(keys.JOB, cfg.job)
-        self._store.set(keys.EPOCH, "-1")
+        if cfg.store == "tcp":
+            self._store = ControlStore(
+                open_store(cfg.host, cfg.port, server=True, timeout=timedelta(seconds=30)), cfg.secret
+            )
+            self._begin_job()
+        else:  # a candidate: the control thread waits for the lease first
+            raw = connect_store(cfg.store_address, cfg.heartbeat_timeout + cfg.ack_timeout)
+            self._leadership = Leadership(raw, cfg.heartbeat_timeout)  # type: ignore[arg-type]
+            self._store = ControlStore(raw, cfg.secret)
         self._thread = threading.Thread(target=self._run, name="sparsecomm-coordinator", daemon=True)
         self._thread.start()
         logger.info("coordinator for job %s on %s", cfg.job, self.address)
 
+    def _inboxes(self) -> ControlStore:
+        store, cfg = self._store, self.config
+        assert store is not None
+        patience = (cfg.heartbeat_timeout + cfg.stall_grace).total_seconds()
+        self._registrations = Inbox(store, keys.MEMBERS_NEXT, lambda i: store.private(keys.member(i)), patience)
+        self._suspicions = Inbox(store, keys.SUSPECT_NEXT, lambda i: store.private(keys.suspect(i)), patience)
+        self._refusals = Inbox(store, keys.REFUSED_NEXT, keys.refused, patience, read=store.unverified)
+        return store
+
+    def _begin_job(self) -> None:
+        """Write a new job's first records (the job id last: members wait for it)."""
+        store = self._inboxes()
+        if self.config.secret is not None:
+            store.raw.set(keys.AUTH, keys.AUTH_HMAC.decode())
+        store.set(keys.EPOCH, "-1")
+        store.set(keys.JOB, self.config.job)
+
+    def _take_over(self, observe: bool = False) -> None:
+        """Begin as the active coordinator of a job kept in etcd: a new one, or one whose coordinator was lost.
+
+        With ``observe`` (a standby), only follow the job's members and view, writing nothing.
+        """
+        store, t0 = self._store, time.monotonic()
+        assert store is not None
+        if not store.raw.check([keys.JOB]):
+            if not observe:
+                self._reset()
+                self._begin_job()
+                self.log.emit("coordinator_elected", epoch=None, resumed=False)
+            return
+        if not observe or self._registrations is None:
+            self._reset()
+            self._inboxes()
+        assert self._registrations is not None and self._refusals is not None
+        for idx, record in self._registrations.poll():
+            self._register(idx, record, t0, announce=False)
+        try:
+            state = Handover.read(store, self.config.job, self._members)
+        except ValueError as exc:
+            raise _JobFailed(str(exc)) from exc
+        self._dead, self._left, self._shutdown = set(state.dead), set(state.left), state.shutdown
+        with self._lock:
+            self._view, self._spares = state.view, list(state.spares)
+        if observe:
+            return
+        self._refusals.poll()  # logged by the coordinator they came to
+        if state.reconfiguring:
+            self._suspected.add(state.epoch)  # a reconfiguration was under way: finish it
+        took = {"members": sorted(self._members), "spares": list(state.spares), "restore_s": time.monotonic() - t0}
+        self.log.emit("coordinator_elected", epoch=state.epoch, resumed=True, **took)  # type: ignore[arg-type]
+        if state.view is not None and not state.reconfiguring:
+            self._await_configured(state.view)
+
+    def _save_state(self) -> None:
+        """Keep what a coordinator taking over cannot read elsewhere (etcd only)."""
+        if self._leadership is not None and self._store is not None:
+            self._saved = Handover.save(self._store, self._dead, self._left, self._spares, self._saved)
+
     def stop(self) -> None:
-        """Stop the control loop and close the store. Idempotent."""
+        """Stop the control loop and close the store (an etcd lease is given up: a standby takes over). Idempotent."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
         self._thread = None
+        if self._leadership is not None:
+            self._leadership.release()
         self._store = None
         self.log.close()
 
@@ -135,9 +202,11 @@ class Coordinator:
 
     @property
     def address(self) -> str:
-        """``host:port`` of the store (what members connect to)."""
+        """What members connect to: ``host:port`` of the store, or the job's etcd address."""
         if self._store is None:
             raise RuntimeError("coordinator: not started")
+        if self.config.store != "tcp":
+            return self.config.store_address
         host = self.config.host
         if host in ("", "0.0.0.0", "::"):
             host = socket.gethostname()
@@ -156,11 +225,11 @@ class Coordinator:
 
     def committed_step(self) -> int:
         """The newest step committed everywhere, as the members recorded it (``-1``: none yet)."""
-        store = self._store
+        if (store := self._store) is None or not store.check([keys.COMMITTED]):
+            return -1
         try:
-            return int(store.get(keys.COMMITTED)) if store is not None and store.check([keys.COMMITTED]) else -1
+            return int(store.get(keys.COMMITTED))
         except ValueError as exc:
-            assert store is not None
             store.reject(keys.COMMITTED, exc)
             return -1
 
@@ -184,9 +253,28 @@ class Coordinator:
         self._exits.put((int(pid), int(returncode)))
 
     # ------------------------------------------------------------------ loop
+    @property
+    def active(self) -> bool:
+        """Whether this coordinator runs the job now (with etcd: while it holds the lease)."""
+        return self._thread is not None and (self._leadership is None or self._leadership.active)
+
     def _run(self) -> None:
         try:
-            self._loop()
+            if self._leadership is None:
+                self._loop()
+            while self._leadership is not None and not self._stop.is_set():
+                try:
+                    if not self._leadership.acquire(
+                        self._stop, self.config.poll_interval, lambda: self._take_over(True)
+                    ):
+                        return
+                    self._take_over()
+                    self._loop()
+                except (FencedError, CommError) as exc:  # lost the lease or the store: back to standby
+                    self._leadership.release()
+                    self.log.emit("coordinator_deposed", reason=str(exc)[:500])
+                    logger.warning("coordinator deposed: %s", exc)
+                    self._stop.wait(self.config.poll_interval.total_seconds())
         except _JobFailed as exc:
             self._fail(str(exc))
         except Exception:  # noqa: BLE001 - the control thread must report, not vanish
@@ -226,6 +314,8 @@ class Coordinator:
         """Read registrations, heartbeats, exits and suspicions; update the dead set."""
         store = self._store
         assert store is not None
+        if self._leadership is not None:
+            self._leadership.keep()
         now = time.monotonic()
         assert self._registrations is not None and self._suspicions is not None and self._refusals is not None
         for idx, record in self._registrations.poll():
@@ -260,27 +350,22 @@ class Coordinator:
             self._on_exit(pid, code)
         for i, record in self._suspicions.poll():
             try:
-                if isinstance(record, RecordError):
-                    raise record
-                rec = decode_json(record, "suspicion record")
-                epoch, member = int(rec["epoch"]), int(rec["member"])
-                evict = None if rec.get("evict") is None else int(rec["evict"])
-                if member not in self._members:
-                    raise ValueError(f"from member {member}, which never registered")
-            except (ValueError, KeyError, TypeError, OverflowError) as exc:
+                sus = Suspicion.parse(record, self._members)
+            except ValueError as exc:
                 logger.warning("ignoring suspicion %d: %s", i, exc)
                 continue
-            if evict is not None:
-                self._on_evict(epoch, evict, str(rec.get("reason", "")))
+            if sus.evict is not None:
+                self._on_evict(sus.epoch, sus.evict, sus.reason)
                 continue
             view = self.view
-            slot = view.slot_of(member) if view is not None else None
-            self.log.emit("failure_suspected", epoch=epoch, slot=slot, member=member, reason=str(rec.get("reason", "")))
-            if view is not None and epoch == view.epoch:
-                self._suspected.add(epoch)
+            slot = view.slot_of(sus.member) if view is not None else None
+            self.log.emit("failure_suspected", epoch=sus.epoch, slot=slot, member=sus.member, reason=sus.reason)
+            if view is not None and sus.epoch == view.epoch:
+                self._suspected.add(sus.epoch)
+        self._save_state()
 
-    def _register(self, idx: int, record: bytes | RecordError, now: float) -> None:
-        """Take in registration ``idx``, or refuse (and log) one that is not the job's."""
+    def _register(self, idx: int, record: bytes | RecordError, now: float, announce: bool = True) -> None:
+        """Take in registration ``idx`` (logged if ``announce``), or refuse (and log) one that is not the job's."""
         try:
             if isinstance(record, RecordError):
                 raise record
@@ -295,8 +380,9 @@ class Coordinator:
             self._hb[idx] = (-1, now)
             if info.role == "spare" or self._view is not None:
                 self._spares.append(idx)
-        slot = info.slot if info.slot >= 0 else None
-        self.log.emit("member_started", slot=slot, pid=info.pid, member=idx, role=info.role)
+        if announce:
+            slot = info.slot if info.slot >= 0 else None
+            self.log.emit("member_started", slot=slot, pid=info.pid, member=idx, role=info.role)
 
     def _refused(self, idx: int | None, record: bytes | RecordError, why: str = "") -> None:
         """Log a process that was refused: what it claims to be (unchecked) and why."""
@@ -305,19 +391,7 @@ class Coordinator:
             if self._refusal_count == 1001:
                 logger.warning("more than 1000 processes refused: no longer logging each")
             return
-        claimed: dict[str, Any] = {}
-        try:
-            claimed = decode_json(record, "refusal note") if isinstance(record, bytes) else {}
-        except ValueError:
-            pass
-        pid, host = claimed.get("pid"), claimed.get("host")
-        self.log.emit(
-            "member_refused",
-            pid=pid if isinstance(pid, int) and not isinstance(pid, bool) else None,
-            member=idx,
-            host=str(host)[:200] if host is not None else None,
-            reason=(why or str(claimed.get("reason", "")))[:500],
-        )
+        self.log.emit("member_refused", **refusal_fields(idx, record, why))
 
     def _on_evict(self, epoch: int, member: int, reason: str) -> None:
         """A member asks for ``member`` of ``epoch`` to be replaced (a straggler): only by a live spare."""
@@ -364,18 +438,10 @@ class Coordinator:
             self._dead.add(i)
             if i in self._spares:
                 self._spares.remove(i)
-        view = self.view
-        slot = view.slot_of(i) if view is not None else None
-        info = self._members.get(i)
-        self.log.emit(
-            "failure_detected",
-            epoch=view.epoch if view is not None else None,
-            slot=slot,
-            pid=info.pid if info else None,
-            member=i,
-            reason=reason,
-            **extra,
-        )
+        view, info = self.view, self._members.get(i)
+        epoch, slot = (view.epoch, view.slot_of(i)) if view is not None else (None, None)
+        pid = info.pid if info else None
+        self.log.emit("failure_detected", epoch=epoch, slot=slot, pid=pid, member=i, reason=reason, **extra)
 
     def _hold_off(self, silent: set[int], silent_s: float, what: str) -> bool:
         """Whether to wait before declaring ``silent`` dead on silence alone (step 3 of the protocol).
@@ -388,35 +454,26 @@ class Coordinator:
         view = self.view
         if view is None:
             return False
-        now = time.monotonic()
-        quiet = self.config.heartbeat_timeout.total_seconds() / 2
-        survivors = sum(
-            1
-            for m in view.members
-            if m not in self._dead and m not in silent and now - self._hb.get(m, (0, now))[1] < quiet
-        )
-        if majority(survivors, view.world_size) is None:
-            return False
-        limit = (self.config.heartbeat_timeout + self.config.stall_grace).total_seconds()
-        if silent_s > limit:
+        now, cfg = time.monotonic(), self.config
+        quiet = cfg.heartbeat_timeout.total_seconds() / 2
+        gone = self._dead | silent
+        survivors = sum(1 for m in view.members if m not in gone and now - self._hb.get(m, (0, now))[1] < quiet)
+        if (
+            majority(survivors, view.world_size) is None
+            or silent_s > (cfg.heartbeat_timeout + cfg.stall_grace).total_seconds()
+        ):
             return False
         if what not in self._stalled:
             self._stalled.add(what)
-            logger.warning(
-                "%s for %d of epoch %d's %d members at once: waiting up to %.0f s before declaring them dead",
-                what,
-                len(silent & set(view.members)),
-                view.epoch,
-                view.world_size,
-                self.config.stall_grace.total_seconds(),
-            )
+            n, grace = len(silent & set(view.members)), cfg.stall_grace.total_seconds()
+            msg = "%s for %d of epoch %d's %d members at once: waiting up to %.0f s before declaring them dead"
+            logger.warning(msg, what, n, view.epoch, view.world_size, grace)
             self.log.emit("stall_suspected", epoch=view.epoch, members=sorted(silent), reason=what)
         return True
 
     def _live_actives(self) -> int:
-        return sum(
-            1 for i, m in self._members.items() if m.role == "active" and i not in self._dead and i not in self._left
-        )
+        gone = self._dead | self._left
+        return sum(1 for i, m in self._members.items() if m.role == "active" and i not in gone)
 
     # ------------------------------------------------------------------ epochs
     def _maybe_start(self, waited_s: float) -> None:
@@ -445,18 +502,13 @@ class Coordinator:
     def _publish(self, view: View) -> None:
         store = self._store
         assert store is not None
+        self._save_state()
         store.set(keys.view(view.epoch), view.to_json())
         with self._lock:
             self._view = view
         store.set(keys.EPOCH, str(view.epoch))
-        self.log.emit(
-            "epoch_proposed",
-            epoch=view.epoch,
-            members=list(view.members),
-            world_size=view.world_size,
-            mode=view.mode,
-            lost_slots=list(view.lost_slots),
-        )
+        shape: dict[str, Any] = {"members": list(view.members), "world_size": view.world_size}
+        self.log.emit("epoch_proposed", epoch=view.epoch, mode=view.mode, lost_slots=list(view.lost_slots), **shape)
         for slot, m in sorted(view.promoted.items()):
             self.log.emit("spare_promoted", epoch=view.epoch, slot=slot, pid=self._members[m].pid, member=m)
         self._await_configured(view)

@@ -56,6 +56,8 @@ EVENTS = (
     "spare_promoted",
     "member_exited",
     "job_failed",
+    "coordinator_elected",
+    "coordinator_deposed",
 )
 
 

@@ -37,6 +37,8 @@ COMMITTED = "committed"  # the newest step committed everywhere
 MEMBERS_NEXT = "members/next"  # counter handing out member indices
 SUSPECT_NEXT = "suspect/next"  # counter numbering suspicion records
 REFUSED_NEXT = "refused/next"  # counter numbering the notes of refused processes
+LEADER = "coordinator/leader"  # etcd only, unsigned: the active coordinator's id, bound to its lease
+COORDINATOR_STATE = "coordinator/state"  # etcd only: dead, left and spare members, for a standby taking over
 
 
 def member(i: int) -> str:

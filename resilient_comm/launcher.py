@@ -51,6 +51,13 @@ class LaunchConfig:
         port: Coordinator port (0: any free port).
         job_timeout: Deadline of the whole job (``None``: none); past it everything is killed.
         env: Extra environment of every process.
+        store: ``tcp`` or ``etcd://HOST:PORT,...[/PREFIX]`` (see
+            :class:`~resilient_comm.coordinator.CoordinatorConfig`): with etcd,
+            this launcher's coordinator is one candidate of the job's, and a
+            standby (e.g. ``sparsecomm coordinator --store ... --job JOB``)
+            can take over from it, or it from one.
+        job: The job id (``None``: a fresh one); with etcd, the id the job's
+            coordinators share.
     """
 
     nproc: int
@@ -65,6 +72,8 @@ class LaunchConfig:
     port: int = 0
     job_timeout: timedelta | None = None
     env: Mapping[str, str] = field(default_factory=dict)
+    store: str = "tcp"
+    job: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.nproc, bool) or not isinstance(self.nproc, int) or self.nproc < 1:
@@ -81,6 +90,7 @@ class LaunchConfig:
 
     def coordinator_config(self, job: str | None = None, secret: JobSecret | None = None) -> CoordinatorConfig:
         """The coordinator settings of this launch, with the job secret ``secret``."""
+        job = job if job is not None else self.job
         kw: dict[str, Any] = {} if job is None else {"job": job}
         return CoordinatorConfig(
             world_size=self.nproc,
@@ -94,6 +104,7 @@ class LaunchConfig:
             spares=self.spares,
             events=self.events,
             secret=secret,
+            store=self.store,
             **kw,
         )
 

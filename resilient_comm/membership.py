@@ -22,42 +22,29 @@ from collections.abc import Callable
 from datetime import timedelta
 
 from bindings.errors import CommTimeoutError
-from bindings.store import BoundedStore, Store, open_store, prefix_store
+from bindings.store import BoundedStore, Store, check_address, connect_store, is_etcd, parse_address, prefix_store
 from resilient_comm import keys
 from resilient_comm.auth import ENV_SECRET, ENV_SECRET_FILE, ControlStore, JobSecret, RecordError
 from resilient_comm.errors import MembershipError
 from resilient_comm.view import ROLES, MemberInfo, View, decode_json
 
-__all__ = ["StoreMembership", "parse_address"]
+__all__ = ["StoreMembership", "parse_address"]  # parse_address: re-exported from bindings.store
 
 logger = logging.getLogger(__name__)
 
 
-def parse_address(address: str) -> tuple[str, int]:
-    """Split ``host:port`` (``[v6]:port`` too), or raise ``ValueError``."""
-    if not isinstance(address, str) or ":" not in address:
-        raise ValueError(f"address: expected 'host:port', got {address!r}")
-    host, _, port = address.rpartition(":")
-    host = host.strip("[]")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"address: expected 'host:port', got {address!r}")
-    return host, int(port)
-
-
-def _connect(host: str, port: int, timeout: timedelta) -> Store:
-    return open_store(host, port, server=False, timeout=timeout)
-
-
-def _bounded(host: str, port: int, timeout: timedelta, secret: JobSecret | None) -> ControlStore:
-    """A client connection whose every call ends by ``timeout``, even when the link to the coordinator goes silent."""
-    return ControlStore(BoundedStore(_connect(host, port, timeout), timeout, f"{host}:{port}"), secret)
+def _bounded(address: str, timeout: timedelta, secret: JobSecret | None) -> ControlStore:
+    """A client connection whose every call ends by ``timeout``, even when the link to the store goes silent."""
+    return ControlStore(BoundedStore(connect_store(address, timeout), timeout, address), secret)
 
 
 class StoreMembership:
     """Registers this process with the coordinator and keeps it alive there.
 
     Args:
-        address: The coordinator's ``host:port``.
+        address: The coordinator's ``host:port``, or the job's etcd store
+            (``etcd://HOST:PORT,...[/PREFIX/JOB]``, what the coordinator's
+            ``address`` says).
         job: The job id the process was started for (a mismatch is refused).
         role: ``active`` (takes a slot of the first epoch) or ``spare``.
         slot: The slot an active member asks for (``-1``: any).
@@ -85,7 +72,7 @@ class StoreMembership:
         timeout: timedelta = timedelta(seconds=30),
         secret: JobSecret | None = None,
     ) -> None:
-        host, port = parse_address(address)
+        check_address(address)
         if secret is not None and not isinstance(secret, JobSecret):
             raise TypeError(f"secret: expected a JobSecret or None, got {type(secret).__name__}")
         secret = secret if secret is not None else JobSecret.from_env()
@@ -103,8 +90,9 @@ class StoreMembership:
         self.role = role
         self.job = job
         self._interval = heartbeat_interval.total_seconds()
-        self._address, self._timeout = (host, port), timeout
-        self._store = _bounded(host, port, timeout, secret)
+        self._address, self._timeout = address, timeout
+        self._transport_stores: dict[int, list[Store]] = {}  # Python-side stores kept alive for their epoch
+        self._store = _bounded(address, timeout, secret)
         refusal = self._admission(job)
         if refusal is not None:  # an unsigned note, read only to log who was refused
             note = {"host": socket.gethostname(), "pid": os.getpid(), "reason": refusal}
@@ -124,7 +112,7 @@ class StoreMembership:
             job=job,
         )
         self._store.set(self._store.private(keys.member(self.index)), self.info.to_json())
-        self._watch_store = _bounded(host, port, timeout, secret)
+        self._watch_store = _bounded(address, timeout, secret)
         self._lost: str | None = None  # why the coordinator counts as lost
         self._last_commit: tuple[int, int] | None = None  # (epoch, step) of this member's last committed vote
         self._watch_epoch = -1  # the epoch whose abort the watcher looks for (-1: none)
@@ -138,6 +126,13 @@ class StoreMembership:
     def _admission(self, job: str) -> str | None:
         """Why the coordinator will refuse this process (``None``: it will not); raises for a foreign job."""
         store = self._store
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        while not store.raw.check([keys.JOB]):  # an etcd store may be there before any coordinator
+            if time.monotonic() > deadline:
+                raise MembershipError(
+                    f"no coordinator began a job in the store at {self._address} within {self._timeout}"
+                )
+            time.sleep(0.05)
         signed = store.raw.check([keys.AUTH]) and store.raw.get(keys.AUTH) == keys.AUTH_HMAC
         if signed and not store.signed:
             return f"refused: job {job!r} requires its job secret (set {ENV_SECRET} or {ENV_SECRET_FILE})"
@@ -146,7 +141,7 @@ class StoreMembership:
         try:
             have = store.get(keys.JOB).decode(errors="replace")
         except RecordError:
-            return f"refused: this process's job secret is not the one of the job at {self._address[0]}"
+            return f"refused: this process's job secret is not the one of the job at {self._address}"
         if have != job:
             raise MembershipError(f"job: this coordinator runs job {have!r}, not {job!r}")
         return None
@@ -174,11 +169,17 @@ class StoreMembership:
         """
         return self._lost
 
+    @property
+    def _where(self) -> str:
+        if is_etcd(self._address):
+            return f"control-plane store at {self._address}"
+        return f"coordinator at {self._address}"
+
     def _lose(self, exc: BaseException) -> MembershipError:
         """Count the coordinator as lost (once); abort the watched epoch so that its collectives end now."""
         with self._lock:
             first = self._lost is None
-            lost = self._lost = self._lost or f"lost the coordinator at {self._address[0]}:{self._address[1]} ({exc})"
+            lost = self._lost = self._lost or f"lost the {self._where} ({exc})"
             epoch, cb = self._watch_epoch, self._on_abort
         if first:
             logger.error("member %d: %s", self.index, lost)
@@ -214,7 +215,10 @@ class StoreMembership:
         On its own connection: a rendezvous that waits for a member that died
         must not queue this process's reports and votes behind it.
         """
-        return prefix_store(keys.transport_prefix(epoch) + channel, _connect(*self._address, self._timeout))
+        base = connect_store(self._address, self._timeout)
+        self._transport_stores = {e: v for e, v in self._transport_stores.items() if e >= epoch - 1}
+        self._transport_stores.setdefault(epoch, []).append(base)
+        return prefix_store(keys.transport_prefix(epoch) + channel, base)
 
     def abort_info(self, epoch: int) -> dict[str, object]:
         """What the coordinator said when it aborted ``epoch`` (empty if it has not, or cannot be asked)."""

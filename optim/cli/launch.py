@@ -44,6 +44,15 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         "--host", default="127.0.0.1", help="address the coordinator binds to (loopback; any other needs a job secret)"
     )
     p.add_argument("--port", type=int, default=0, help="coordinator port (0: any free one)")
+    p.add_argument(
+        "--store",
+        default="tcp",
+        help=(
+            "the control-plane store: 'tcp' (the coordinator hosts it; the job ends if it is lost) or "
+            "'etcd://HOST:PORT,...[/PREFIX]' (an etcd v3 cluster; further coordinators started with the same "
+            "--job and secret stand by and take over when the active one is lost)"
+        ),
+    )
 
 
 def add_launch_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -61,6 +70,9 @@ def add_launch_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentP
     p.add_argument("--spares", type=int, default=0, help="spare processes in standby")
     p.add_argument("--backend", choices=("gloo", "nccl", "mpi"), default="gloo", help="data plane")
     p.add_argument("--job-timeout", type=_seconds, default=None, help="kill everything after this many seconds")
+    p.add_argument(
+        "--job", default=None, help="job id (default: a fresh random one; with etcd, shared by its coordinators)"
+    )
     _add_common(p)
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
     p.set_defaults(func=_cmd_launch, cmd_parser=p)
@@ -106,6 +118,8 @@ def _cmd_launch(args: argparse.Namespace) -> int:
             host=args.host,
             port=args.port,
             job_timeout=args.job_timeout,
+            store=args.store,
+            job=args.job,
         )
     except ValueError as exc:
         args.cmd_parser.error(str(exc))
@@ -142,6 +156,7 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
             host=args.host,
             port=args.port,
             secret=secret,
+            store=args.store,
             **kw,
         )
     except ValueError as exc:

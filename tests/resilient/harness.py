@@ -19,7 +19,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
-from bindings.store import open_store
+from bindings.store import connect_store
 from optim.benchmarks.hosts import kill_all, wait_for
 from resilient_comm.auth import ControlStore, JobSecret
 from resilient_comm.events import read_event_dir, read_events
@@ -69,12 +69,13 @@ class JobWatch:
         self.env = self.secret.env()
         self._store: ControlStore | None = None
 
-    def connect(self, port: int, alive: Callable[[], bool], timeout: float) -> None:
-        """Connect to the job's store on ``port`` once it is up (while ``alive()``), or fail the test."""
+    def connect(self, port: int | str, alive: Callable[[], bool], timeout: float) -> None:
+        """Connect to the job's store (a loopback ``port``, or its address) once it is up (while ``alive()``)."""
         deadline = time.monotonic() + timeout
+        address = f"127.0.0.1:{port}" if isinstance(port, int) else port
         while self._store is None and time.monotonic() < deadline and alive():
             try:
-                raw = open_store("127.0.0.1", port, server=False, timeout=timedelta(seconds=5))
+                raw = connect_store(address, timedelta(seconds=5))
                 self._store = ControlStore(raw, self.secret)
             except (RuntimeError, OSError):
                 time.sleep(0.05)
@@ -273,3 +274,29 @@ class DrillJob:
     def wait_epoch(self, timeout: float = 60.0) -> None:
         """Wait until epoch 0 is configured."""
         self.wait_event("epoch_configured", timeout, epoch=0)
+
+
+def children(pid: int) -> list[int]:
+    """Pids of the live children of ``pid`` (from ``/proc``)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def worker_of_slot(launcher_pid: int, slot: int) -> int:
+    """Pid of the worker a ``sparsecomm launch`` process started for ``slot``."""
+    for pid in children(launcher_pid):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"SPARSECOMM_ROLE=active" in env and f"SPARSECOMM_SLOT={slot}".encode() in env:
+            return pid
+    raise AssertionError(f"no worker process holds slot {slot}")

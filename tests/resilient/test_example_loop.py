@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from resilient_comm.events import read_events
-from tests.resilient.harness import JobWatch
+from tests.resilient.harness import JobWatch, worker_of_slot
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -38,30 +38,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry))
-    return out
-
-
-def _worker_of_slot(launcher_pid: int, slot: int) -> int:
-    for pid in _children(launcher_pid):
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"SPARSECOMM_ROLE=active" in env and f"SPARSECOMM_SLOT={slot}".encode() in env:
-            return pid
-    raise AssertionError(f"no worker process holds slot {slot}")
 
 
 def _run(tmp: Path, optimizer: str, spares: int, kill: tuple[int, int] | None = None) -> dict[str, Any]:
@@ -89,7 +65,7 @@ def _run(tmp: Path, optimizer: str, spares: int, kill: tuple[int, int] | None = 
             while time.monotonic() < deadline and proc.poll() is None:
                 committed = max(0, watch.committed())
                 if committed >= step - 1 and spare_ready():
-                    pid = _worker_of_slot(proc.pid, slot)
+                    pid = worker_of_slot(proc.pid, slot)
                     os.kill(pid, signal.SIGKILL)
                     killed = {"slot": slot, "step": step, "committed": committed, "pid": pid}
                     break
