@@ -119,16 +119,19 @@ class Launcher:
     Args:
         cmd: The worker command line (every process runs the same one).
         config: What to start.
+        secret: The job secret (``None``: from the environment, else a fresh one).
     """
 
-    def __init__(self, cmd: Sequence[str], config: LaunchConfig) -> None:
+    def __init__(self, cmd: Sequence[str], config: LaunchConfig, secret: JobSecret | None = None) -> None:
         if isinstance(cmd, str) or not cmd or not all(isinstance(a, str) for a in cmd):
             raise ValueError("cmd: expected a non-empty list of strings")
         if not isinstance(config, LaunchConfig):
             raise TypeError(f"config: expected a LaunchConfig, got {type(config).__name__}")
         self.cmd = list(cmd)
         self.config = config
-        self.secret = JobSecret.from_env() or JobSecret.generate()
+        if secret is not None and not isinstance(secret, JobSecret):
+            raise TypeError(f"secret: expected a JobSecret or None, got {type(secret).__name__}")
+        self.secret = secret or JobSecret.from_env() or JobSecret.generate()
         self.coordinator = Coordinator(config.coordinator_config(secret=self.secret))
         self._procs: list[tuple[subprocess.Popen[bytes], str]] = []
         self._reported: set[int] = set()
@@ -235,6 +238,8 @@ class Launcher:
         if view is None:
             return None
         members = self.coordinator.members()
+        if any(m not in members for m in view.members):
+            return None  # a standby coordinator read the view before those registrations
         pids = {members[m].pid for m in view.members}
         with self._lock:
             procs = {p.pid: p for p, _ in self._procs}

@@ -18,7 +18,12 @@ coordinator`` in a process of its own): ``partition`` takes the link of slot
 1's host down (network namespaces; needs root), the same phases measured from
 the cut; ``coordinator`` SIGKILLs the coordinator (the embedded store has no
 standby) and measures ``ended_s``, until every worker gave up with a clear
-error.
+error. ``failover`` keeps the job in a 3-member etcd cluster
+(:mod:`optim.benchmarks.etcd_cluster`) with two coordinators, a standalone
+active one and the launcher's standby, SIGKILLs the active one and measures
+``failover_s`` (until the standby took over) and ``first_commit_s`` (until
+every worker committed a step after the kill: training does not wait for a
+coordinator), and counts the steps committed meanwhile.
 
 Times come from ``time.time()`` in the processes (one machine, one clock). Each
 scenario is repeated and the median reported. Nothing prints here; the CLI does.
@@ -42,7 +47,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from optim.benchmarks.etcd_cluster import EtcdCluster, etcd_unavailable
 from optim.benchmarks.hosts import DEFAULT_PORT, Hosts, HostsJob, Loopback, unavailable
+from resilient_comm.auth import JobSecret
 from resilient_comm.events import read_event_dir, read_events
 from resilient_comm.launcher import LaunchConfig, Launcher
 
@@ -51,10 +58,10 @@ __all__ = ["RecoveryBenchConfig", "run_recovery_scenario", "run_recovery_bench",
 logger = logging.getLogger(__name__)
 
 #: Measured phases, in order.
-PHASES = ("raised_first_s", "raised_s", "detected_s", "configured_s", "first_commit_s", "ended_s")
+PHASES = ("raised_first_s", "raised_s", "detected_s", "configured_s", "first_commit_s", "ended_s", "failover_s")
 _FAULTS = {"sigkill": signal.SIGKILL, "sigstop": signal.SIGSTOP}
 #: Every fault the benchmark injects.
-FAULTS = (*_FAULTS, "partition", "coordinator")
+FAULTS = (*_FAULTS, "partition", "coordinator", "failover")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,26 +122,14 @@ def run_recovery_scenario(
     if fault not in FAULTS:
         raise ValueError(f"fault: choose from {list(FAULTS)}, got {fault!r}")
     root = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="sparsecomm-recovery-"))
+    if fault == "failover":
+        return _failover_scenario(nproc, config, root) | {"nproc": nproc, "fault": fault, "spares": config.spares}
     if fault not in _FAULTS:
         return _hosts_scenario(nproc, fault, config, root) | {"nproc": nproc, "fault": fault, "spares": config.spares}
     logdir = root / f"n{nproc}-{fault}-{time.monotonic_ns()}"
     logdir.mkdir(parents=True)
     steps = config.fault_step + config.steps_after + 1
-    cmd = [
-        sys.executable,
-        "-m",
-        "optim.benchmarks.drill",
-        "--steps",
-        str(steps),
-        "--numel",
-        str(config.numel),
-        "--sleep",
-        str(config.sleep_s),
-        "--log",
-        str(logdir),
-    ]
-    repo = str(Path(__file__).resolve().parents[2])
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH", "")]))}
+    cmd, env = _drill(config, logdir, steps)
     launcher = Launcher(
         cmd,
         LaunchConfig(
@@ -179,6 +174,94 @@ def run_recovery_scenario(
         "nproc": nproc,
         "fault": fault,
         "spares": config.spares,
+    }
+
+
+def _drill(config: RecoveryBenchConfig, logdir: Path, steps: int) -> tuple[list[str], dict[str, str]]:
+    """The drill worker's command line and environment."""
+    cmd = [sys.executable, "-m", "optim.benchmarks.drill", "--steps", str(steps), "--numel", str(config.numel)]
+    cmd += ["--sleep", str(config.sleep_s), "--log", str(logdir)]
+    repo = str(Path(__file__).resolve().parents[2])
+    return cmd, {"PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH", "")]))}
+
+
+def _failover_scenario(nproc: int, config: RecoveryBenchConfig, root: Path) -> dict[str, Any]:
+    """The active coordinator SIGKILLed, the job kept in etcd; the launcher's coordinator stands by."""
+    if (why := etcd_unavailable()) is not None:
+        raise RuntimeError(f"recovery scenario failover: {why}")
+    logdir = root / f"n{nproc}-failover-{time.monotonic_ns()}"
+    logdir.mkdir(parents=True)
+    # the job must outlast the lease (training does not stop while no coordinator is active)
+    cmd, env = _drill(config, logdir, config.fault_step + config.steps_after + 61)
+    secret, job, hb = JobSecret.generate(), f"failover{time.monotonic_ns() % 10**9}", config.heartbeat_timeout_s
+    mode, deadline = "hotswap" if config.spares else "shrink", time.monotonic() + config.timeout_s
+    with EtcdCluster(3, root) as cluster:
+        events = root / f"{logdir.name}.active.jsonl"
+        argv = [sys.executable, "-m", "optim", "coordinator", "--store", cluster.address, "--job", job, "--mode", mode]
+        argv += ["--world-size", str(nproc), "--heartbeat-timeout", str(hb), "--events", str(events)]
+        active = subprocess.Popen(argv, env={**os.environ, **env, **secret.env()}, stdout=subprocess.DEVNULL)
+        launcher = Launcher(
+            cmd,
+            LaunchConfig(
+                nproc=nproc,
+                spares=config.spares,
+                mode=mode,
+                heartbeat_timeout=timedelta(seconds=hb),
+                job_timeout=timedelta(seconds=config.timeout_s),
+                events=str(root / f"{logdir.name}.events.jsonl"),
+                env=env,
+                store=cluster.address,
+                job=job,
+            ),
+            secret=secret,
+        )
+        status: list[int] = []
+        waiter = threading.Thread(target=lambda: status.append(launcher.wait()), daemon=True)
+        try:
+            while not any(e["event"] == "coordinator_elected" for e in read_events(events, missing_ok=True)):
+                if time.monotonic() > deadline or active.poll() is not None:
+                    raise RuntimeError(
+                        f"recovery scenario failover: the first coordinator never became active ({root})"
+                    )
+                time.sleep(0.05)
+            launcher.start()
+            waiter.start()
+            _until(lambda: launcher.coordinator.view is not None, deadline, "the first epoch", launcher)
+            slot0 = launcher.pid_of_slot(0)
+            _until(
+                lambda: _committed(_read_logs(logdir), slot0) >= config.fault_step, deadline, "the fault step", launcher
+            )
+            t_fault = time.time()
+            active.send_signal(signal.SIGKILL)
+            active.wait()
+            waiter.join(timeout=max(0.0, deadline - time.monotonic()))
+        finally:
+            if active.poll() is None:
+                active.kill()
+                active.wait()
+            if waiter.is_alive():
+                launcher.signal_all(signal.SIGKILL)
+                waiter.join(timeout=30)
+    if not status or status[0] != 0:
+        raise RuntimeError(f"recovery scenario failover n={nproc}: job exited with {status or 'nothing'} ({logdir})")
+    took = [e for e in launcher.coordinator.log.events if e["event"] == "coordinator_elected" and e.get("resumed")]
+    if not took:
+        raise RuntimeError(f"recovery scenario failover n={nproc}: the standby never took over ({logdir})")
+    logs = _read_logs(logdir)
+    after = [[r["time"] for r in recs if r["event"] == "committed" and r["time"] >= t_fault] for recs in logs.values()]
+    firsts = [min(times) for times in after if times]
+    if len(firsts) < nproc:
+        raise RuntimeError(
+            f"recovery scenario failover n={nproc}: a worker committed nothing after the kill ({logdir})"
+        )
+    meanwhile = [
+        r["step"] for r in logs[slot0] if r["event"] == "committed" and t_fault <= r["time"] <= took[0]["time"]
+    ]
+    return {
+        "survivors": nproc,
+        "failover_s": took[0]["time"] - t_fault,
+        "first_commit_s": max(firsts) - t_fault,
+        "steps_during_failover": len(meanwhile),
     }
 
 

@@ -17,6 +17,7 @@ _LABELS = {
     "configured_s": "epoch configured",
     "first_commit_s": "first commit",
     "ended_s": "all gave up",
+    "failover_s": "standby active",
 }
 
 
@@ -52,6 +53,8 @@ def _cmd_recovery(args: argparse.Namespace) -> int:
 
     def progress(run: dict[str, Any]) -> None:
         phases = ", ".join(f"{p}={run[p]:.3f}" for p in PHASES if run.get(p) is not None)
+        if "steps_during_failover" in run:
+            phases += f", steps committed meanwhile={run['steps_during_failover']}"
         print(f"  {run.get('system', 'sparsecomm')} n={run['nproc']} {run['fault']}: {phases}", flush=True)
 
     bench = run_bench(
