@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from optim.benchmarks.etcd_cluster import etcd_unavailable
 from optim.benchmarks.hosts import unavailable
 from optim.benchmarks.recovery import PHASES, RecoveryBenchConfig, run_recovery_bench
 from optim.cli.bench_recovery import format_recovery_table
@@ -29,9 +30,9 @@ def test_recovery_bench_sigkill_hotswap(tmp_path: Path) -> None:
     (run,) = row["runs"]
     assert run["hot_swap"] and run["survivors"] == 2 and run["survivors_raised"] == 2
     for phase in PHASES:
-        if phase != "ended_s":  # only a lost coordinator ends the job
+        if phase not in ("ended_s", "failover_s"):  # only a lost coordinator ends the job, or is replaced
             assert run[phase] is not None and run[phase] > 0, phase
-    assert run.get("ended_s") is None
+    assert run.get("ended_s") is None and run.get("failover_s") is None
     # the order of the protocol: detection and raising come before the epoch, the epoch before the commit
     assert run["raised_first_s"] <= run["raised_s"] < run["first_commit_s"]
     assert run["detected_s"] < run["configured_s"] < run["first_commit_s"]
@@ -64,3 +65,16 @@ def test_recovery_bench_partition_and_lost_coordinator() -> None:
     assert lost["fault"] == "coordinator" and 0 < run["ended_s"] < hb, run
     table = format_recovery_table(bench)
     assert "partition" in table and "all gave up" in table
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(etcd_unavailable() is not None, reason=str(etcd_unavailable()))
+def test_recovery_bench_coordinator_failover() -> None:
+    config = RecoveryBenchConfig(nprocs=(2,), faults=("failover",), repeats=1, fault_step=3, steps_after=3)
+    bench = run_recovery_bench(config)
+    (row,) = bench["rows"]
+    (run,) = row["runs"]
+    # the standby waits out the lease (at least 2 s, etcd's shortest); training goes on meanwhile
+    assert row["fault"] == "failover" and 1.0 < run["failover_s"] < 10.0, run
+    assert 0 < run["first_commit_s"] < run["failover_s"] and run["steps_during_failover"] >= 1, run
+    assert "standby active" in format_recovery_table(bench)

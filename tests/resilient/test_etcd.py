@@ -286,7 +286,7 @@ def _check_drill(tmp: Path, steps: int) -> None:
 
 @pytest.mark.timeout(JOB_TIMEOUT_S + 60)
 def test_a_paused_coordinator_is_fenced_off_and_becomes_a_standby(cluster: EtcdCluster, tmp_path: Path) -> None:
-    hb, job, watch, steps = 2.0, _job("pause"), JobWatch(), 400
+    hb, job, watch, steps = 2.0, _job("pause"), JobWatch(), 200
     launcher = _drill_job(cluster, tmp_path, watch, job, hb, steps)
     c2: subprocess.Popen[bytes] | None = None
     try:
