@@ -263,17 +263,20 @@ class Coordinator:
             if self._leadership is None:
                 self._loop()
             while self._leadership is not None and not self._stop.is_set():
+                leading = False
                 try:
                     if not self._leadership.acquire(
                         self._stop, self.config.poll_interval, lambda: self._take_over(True)
                     ):
                         return
+                    leading = True
                     self._take_over()
                     self._loop()
                 except (FencedError, CommError) as exc:  # lost the lease or the store: back to standby
+                    if leading:
+                        self.log.emit("coordinator_deposed", reason=str(exc)[:500])
                     self._leadership.release()
-                    self.log.emit("coordinator_deposed", reason=str(exc)[:500])
-                    logger.warning("coordinator deposed: %s", exc)
+                    logger.warning("coordinator %s: %s; standing by", self._leadership.id, exc)
                     self._stop.wait(self.config.poll_interval.total_seconds())
         except _JobFailed as exc:
             self._fail(str(exc))

@@ -28,14 +28,15 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Protocol
 
 from bindings.errors import CommError, CommTimeoutError
-from bindings.etcd_store import EtcdStore, FencedError
+from bindings.etcd_store import FencedError
 from resilient_comm import keys
 from resilient_comm.auth import ControlStore
 from resilient_comm.view import MemberInfo, View, decode_json
 
-__all__ = ["FencedError", "Handover", "Leadership", "MIN_TTL_S"]
+__all__ = ["FencedError", "Handover", "LeaseStore", "Leadership", "MIN_TTL_S"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,28 @@ FOLLOW_S = 0.25
 
 #: etcd's shortest lease at its default election timeout (a shorter TTL is raised to it).
 MIN_TTL_S = 2
+
+
+class LeaseStore(Protocol):
+    """What a store must offer for replaceable coordinators (:class:`~bindings.etcd_store.EtcdStore` does).
+
+    Beside a torch ``Store``'s ``check`` and ``get``: leases, a create bound
+    to one, and a fence on every later write.
+    """
+
+    def check(self, keys: list[str]) -> bool: ...
+
+    def get(self, key: str) -> bytes: ...
+
+    def grant(self, ttl: timedelta) -> int: ...
+
+    def refresh(self, lease: int) -> bool: ...
+
+    def revoke(self, lease: int) -> None: ...
+
+    def create_leased(self, key: str, value: str | bytes, lease: int) -> bool: ...
+
+    def fence(self, key: str | None, value: str | bytes = b"") -> None: ...
 
 
 class Leadership:
@@ -56,7 +79,7 @@ class Leadership:
             :data:`MIN_TTL_S`).
     """
 
-    def __init__(self, store: EtcdStore, ttl: timedelta) -> None:
+    def __init__(self, store: LeaseStore, ttl: timedelta) -> None:
         self.store = store
         self.ttl_s = max(MIN_TTL_S, math.ceil(ttl.total_seconds()))
         self.id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"

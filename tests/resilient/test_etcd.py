@@ -166,10 +166,10 @@ def test_a_gloo_rendezvous_through_the_store(cluster: EtcdCluster) -> None:
 
 # ---------------------------------------------------------------------- coordinators
 def _coordinator(
-    cluster: EtcdCluster, job: str, tmp: Path, name: str, watch: JobWatch, hb: float
+    cluster: EtcdCluster, job: str, tmp: Path, name: str, watch: JobWatch, hb: float, world_size: int = 4
 ) -> subprocess.Popen[bytes]:
     argv = [sys.executable, "-m", "optim", "coordinator", "--store", cluster.address, "--job", job]
-    argv += ["--world-size", "4", "--heartbeat-timeout", str(hb), "--events", str(tmp / f"{name}.jsonl")]
+    argv += ["--world-size", str(world_size), "--heartbeat-timeout", str(hb), "--events", str(tmp / f"{name}.jsonl")]
     return subprocess.Popen(
         argv, env=_env(watch.env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
     )
@@ -265,9 +265,10 @@ def test_killed_coordinator_is_replaced_and_training_is_bitwise_unchanged(
 
 
 def _drill_job(
-    cluster: EtcdCluster, tmp: Path, watch: JobWatch, job: str, hb: float, steps: int
+    cluster: EtcdCluster, tmp: Path, watch: JobWatch, job: str, hb: float, steps: int, spares: int = 0
 ) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "optim", "launch", "--nproc", "3", "--store", cluster.address, "--job", job]
+    cmd += ["--spares", str(spares)]
     cmd += ["--heartbeat-timeout", str(hb), "--job-timeout", str(JOB_TIMEOUT_S), "--events", str(tmp / "launch.jsonl")]
     cmd += ["--", sys.executable, "-m", "optim.benchmarks.drill", "--steps", str(steps), "--sleep", "0.02"]
     cmd += ["--log", str(tmp / "drill"), "--timeout", "20"]
@@ -276,12 +277,18 @@ def _drill_job(
     )
 
 
-def _check_drill(tmp: Path, steps: int) -> None:
-    logs = read_event_dir(tmp / "drill")
-    assert len(logs) == 3
-    for path, recs in logs.items():
-        assert check_contiguous(recs) == list(range(steps)), path.stem
-        assert not [r for r in recs if r["event"] in ("raised", "reconfigured", "error")], (path.stem, recs[-3:])
+def _check_drill(tmp: Path, steps: int, processes: int = 3, killed: int = -1) -> None:
+    """Every drill process but ``killed`` committed each step once and ended cleanly."""
+    logs = {int(path.stem): recs for path, recs in read_event_dir(tmp / "drill").items()}
+    assert len(logs) == processes
+    for pid, recs in logs.items():
+        if pid == killed:
+            continue
+        steps_seen = check_contiguous(recs)
+        assert steps_seen[-1] == steps - 1 and recs[-1]["event"] == "done", (pid, recs[-3:])
+        if killed < 0:
+            assert steps_seen == list(range(steps)), pid
+            assert not [r for r in recs if r["event"] in ("raised", "reconfigured", "error")], (pid, recs[-3:])
 
 
 @pytest.mark.timeout(JOB_TIMEOUT_S + 60)
@@ -325,3 +332,35 @@ def test_one_of_three_etcd_members_killed_mid_training(tmp_path: Path) -> None:
         finally:
             _kill(launcher)
     _check_drill(tmp_path, steps)
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S + 60)
+def test_a_coordinator_killed_while_it_replaces_a_worker_is_finished_by_the_standby(
+    cluster: EtcdCluster, tmp_path: Path
+) -> None:
+    """A worker SIGKILLed; the moment the active coordinator declares it dead, the coordinator is SIGKILLed too."""
+    hb, job, watch, steps = 2.0, _job("midway"), JobWatch(), 150
+    c1 = _coordinator(cluster, job, tmp_path, "c1", watch, hb, world_size=3)
+    launcher: subprocess.Popen[bytes] | None = None
+    try:
+        wait_for(lambda: _events(tmp_path, "c1", "coordinator_elected"), 30, "c1 to become active")
+        launcher = _drill_job(cluster, tmp_path, watch, job, hb, steps, spares=1)
+        wait_for(lambda: len(_events(tmp_path, "c1", "member_started")) == 4, 60, "every process to register")
+        logs = tmp_path / "drill"
+        wait_for(lambda: any(check_contiguous(r)[-1:] >= [20] for r in read_event_dir(logs).values()), 60, "step 20")
+        victim = worker_of_slot(launcher.pid, 1)
+        os.kill(victim, signal.SIGKILL)
+        wait_for(lambda: _events(tmp_path, "c1", "failure_detected"), 30, "c1 to detect the failure", 0.002)
+        c1.send_signal(signal.SIGKILL)
+        c1.wait()
+        proposed = [e["epoch"] for e in _events(tmp_path, "c1", "epoch_proposed")]
+        print(f"\nc1 killed after proposing epochs {proposed}")
+        took = wait_for(lambda: _events(tmp_path, "launch", "coordinator_elected", resumed=True), 30, "a takeover")
+        log = _finish(launcher)
+        assert launcher.returncode == 0, log
+    finally:
+        _kill(c1, launcher)
+    assert len(took[0]["members"]) == 4, took
+    promoted = _events(tmp_path, "c1", "spare_promoted") + _events(tmp_path, "launch", "spare_promoted")
+    assert len(promoted) == 1, promoted  # one hot-swap, by whichever coordinator got that far
+    _check_drill(tmp_path, steps, processes=4, killed=victim)
