@@ -39,6 +39,8 @@ __all__ = ["EtcdAddress", "EtcdStore", "FencedError", "parse_etcd"]
 logger = logging.getLogger(__name__)
 
 SCHEME = "etcd://"
+#: Words of an etcd error that another try (on this member or the next) may not meet: elections, overload.
+_TRANSIENT = ("leader", "unavailable", "timed out", "deadline", "too many requests")
 DEFAULT_PREFIX = "sparsecomm"
 
 
@@ -145,7 +147,7 @@ class EtcdStore(Store):
                     errors.append(f"{client.host}:{client.port}: {type(exc).__name__}")
                 except self._exceptions.Etcd3Exception as exc:
                     text = str(getattr(exc, "detail_text", "") or exc)
-                    if "leader" not in text and "unavailable" not in text.lower():
+                    if not any(w in text.lower() for w in _TRANSIENT):
                         raise CommError(f"etcd {client.host}:{client.port}: {path}: {text[:300]}") from exc
                     errors.append(f"{client.host}:{client.port}: {text[:100]}")
                 self._current = (self._current + 1) % len(self._clients)
