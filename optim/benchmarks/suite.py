@@ -12,6 +12,14 @@ the same seeds and data order for every optimizer, and reduces the result to:
 * per method and density, the worst ratio over the whole suite at each
   horizon, and whether it meets :data:`optim.benchmarks.convergence.TARGETS`.
 
+With several seeds (initialisation and data order), every setting is run
+once per seed and each cell holds the mean validation loss over the seeds;
+ratios are ratios of those means, and each cell also keeps every seed's own
+ratio (``seed_ratios``) and the spread of dense AdamS itself over the seeds
+(``dense_seed_spread``: its largest over its smallest validation loss). On a
+setting whose loss drops at a phase change (the synthetic language leaves a
+plateau at a step that depends on the seed) one seed's ratio says little.
+
 A setting with a constant learning rate (no warm-up, ``min_lr_ratio`` 1) is
 trained once, to the longest horizon, and read at every horizon: its first
 300 steps are those of a 300-step run, bit for bit (same batches, same
@@ -32,7 +40,7 @@ from typing import Any
 from optim.benchmarks.convergence import METHODS, TARGETS, run_convergence
 from optim.train_job.config import TrainConfig
 
-__all__ = ["HORIZONS", "SETTINGS", "SUITE_BASE", "run_suite", "worst_case"]
+__all__ = ["HORIZONS", "SETTINGS", "SUITE_BASE", "mean_over_seeds", "run_suite", "worst_case"]
 
 HORIZONS = (300, 1000)
 """Steps at which every setting is judged."""
@@ -135,6 +143,7 @@ def run_suite(
     horizons: Sequence[int] = HORIZONS,
     densities: Sequence[float] = (0.1, 0.01),
     methods: Sequence[str] = METHODS,
+    seeds: Sequence[int] = (0,),
     overrides: dict[str, Any] | None = None,
     on_run: OnRun | None = None,
 ) -> dict[str, Any]:
@@ -146,18 +155,27 @@ def run_suite(
             evaluation interval (100).
         densities: Densities of every sparse method.
         methods: Sparse methods (:data:`optim.benchmarks.convergence.METHODS`).
-        overrides: TrainConfig fields applied on top of every setting (e.g. ``nproc``).
+        seeds: Seeds of initialisation and data order; every setting runs once
+            per seed and the cells are the means over them (:func:`mean_over_seeds`).
+        overrides: TrainConfig fields applied on top of every setting (e.g.
+            ``nproc``; not ``seed``, which ``seeds`` sets).
         on_run: Called with ``(setting, steps, run record)`` when a run finishes.
 
     Returns:
-        ``rows`` (one per setting, horizon and run), ``worst`` (:func:`worst_case`),
-        ``settings`` (the configs), ``horizons``, ``densities``, ``methods`` and ``wall_time_s``.
+        ``rows`` (one per setting, horizon and run, over the seeds), ``seed_rows``
+        (the same per seed), ``worst`` (:func:`worst_case`), ``settings`` (the
+        configs), ``horizons``, ``densities``, ``methods``, ``seeds`` and ``wall_time_s``.
 
     Raises:
-        ValueError: Unknown setting or a horizon the evaluations do not hit.
+        ValueError: Unknown setting, a horizon the evaluations do not hit, or bad seeds.
         LocalRunError: A rank of a run failed.
     """
     names = list(SETTINGS) if settings is None else list(settings)
+    seed_list = [int(x) for x in seeds]
+    if not seed_list or len(set(seed_list)) != len(seed_list) or any(x < 0 for x in seed_list):
+        raise ValueError(f"seeds must be distinct ints >= 0, got {list(seeds)}")
+    if overrides and "seed" in overrides:
+        raise ValueError("set the seeds with seeds=, not overrides")
     for n in names:
         if n not in SETTINGS:
             raise ValueError(f"unknown setting {n!r}; known: {', '.join(SETTINGS)}")
@@ -174,15 +192,19 @@ def run_suite(
             raise ValueError(f"every horizon must be a multiple of eval_interval={probe.eval_interval}")
         configs[name] = dataclasses.asdict(probe)
         trained = [hs[-1]] if _is_constant(probe) else hs
-        for steps in trained:
-            base = dataclasses.replace(probe, steps=steps)
-            bench = run_convergence(base, densities, methods=methods, on_run=_tagged(on_run, name, steps))
-            judged = [h for h in hs if h <= steps] if steps == hs[-1] and _is_constant(probe) else [steps]
-            for h in judged:
-                rows.extend(_rows_at(name, h, steps, bench["runs"]))
+        for seed in seed_list:
+            for steps in trained:
+                base = dataclasses.replace(probe, steps=steps, seed=seed)
+                bench = run_convergence(base, densities, methods=methods, on_run=_tagged(on_run, name, steps))
+                judged = [h for h in hs if h <= steps] if steps == hs[-1] and _is_constant(probe) else [steps]
+                for h in judged:
+                    rows.extend({**r, "seed": seed} for r in _rows_at(name, h, steps, bench["runs"]))
+    means = mean_over_seeds(rows)
     return {
-        "rows": rows,
-        "worst": worst_case(rows),
+        "rows": means,
+        "seed_rows": rows,
+        "seeds": seed_list,
+        "worst": worst_case(means),
         "settings": configs,
         "horizons": hs,
         "densities": list(densities),
@@ -227,6 +249,57 @@ def _rows_at(setting: str, horizon: int, trained: int, runs: list[dict[str, Any]
     return out
 
 
+def mean_over_seeds(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per setting, horizon and run from per-seed rows (each with ``seed``): means over the seeds.
+
+    ``val_loss`` is the mean over the seeds, the ratios are ratios of those
+    means (to dense AdamS's and AdamW's of the same seeds), wire bytes are the
+    mean, a loss rise the largest of any seed; ``seed_ratios`` keeps each
+    seed's own ratio to dense AdamS, ``dense_seed_spread`` dense AdamS's largest
+    over its smallest validation loss, and ``evals`` maps each seed to its
+    evaluations.
+    """
+    cells: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        cells.setdefault((r["setting"], r["horizon"], r["name"]), []).append(r)
+
+    def mean(key: tuple[str, int, str], field: str) -> float:
+        rs = cells[key]
+        return sum(float(r[field]) for r in rs) / len(rs)
+
+    out = []
+    for (setting, horizon, name), rs in cells.items():
+        seeds = sorted(r["seed"] for r in rs)
+        ref_s, ref_w = (setting, horizon, "adams"), (setting, horizon, "adamw")
+        if sorted(r["seed"] for r in cells[ref_s]) != seeds:
+            raise ValueError(f"{setting}@{horizon} {name}: seeds {seeds} differ from dense AdamS's")
+        dense = [float(r["val_loss"]) for r in cells[ref_s]]
+        val = mean((setting, horizon, name), "val_loss")
+        wires = [r["wire_ratio_to_adams"] for r in rs]
+        out.append(
+            {
+                "setting": setting,
+                "horizon": horizon,
+                "trained_steps": rs[0]["trained_steps"],
+                "name": name,
+                "optimizer": rs[0]["optimizer"],
+                "density": rs[0]["density"],
+                "seeds": seeds,
+                "val_loss": val,
+                "ratio_to_adams": val / mean(ref_s, "val_loss"),
+                "ratio_to_adamw": val / mean(ref_w, "val_loss"),
+                "seed_ratios": [r["ratio_to_adams"] for r in sorted(rs, key=lambda r: r["seed"])],
+                "dense_seed_spread": max(dense) / min(dense),
+                "optimizer_wire_bytes_per_step": mean((setting, horizon, name), "optimizer_wire_bytes_per_step"),
+                "wire_ratio_to_adams": None if None in wires else sum(wires) / len(wires),
+                "largest_loss_rise": max(r["largest_loss_rise"] for r in rs),
+                "dense_largest_loss_rise": max(r["dense_largest_loss_rise"] for r in rs),
+                "evals": {str(r["seed"]): r["evals"] for r in rs},
+            }
+        )
+    return out
+
+
 def worst_case(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Per run name: the worst ratio to dense AdamS at each horizon, where it happened, and the target verdict.
 
@@ -239,6 +312,8 @@ def worst_case(rows: list[dict[str, Any]]) -> dict[str, Any]:
         h = w["by_horizon"].setdefault(str(r["horizon"]), {"ratio": 0.0, "setting": None})
         if r["ratio_to_adams"] > h["ratio"]:
             h["ratio"], h["setting"] = r["ratio_to_adams"], r["setting"]
+            if "seed_ratios" in r:
+                h["seed_ratios"] = r["seed_ratios"]
     for name, w in out.items():
         limit = TARGETS.get(w["density"]) if "@" in name else None
         w["max_ratio"] = limit

@@ -14,9 +14,13 @@ def _order(names: list[str]) -> list[str]:
 
 
 def format_suite_table(suite: dict[str, Any]) -> str:
-    """One line per setting and horizon: each run's ratio of validation loss to dense AdamS's."""
+    """One line per setting and horizon: each run's ratio of validation loss to dense AdamS's.
+
+    ``seed_spr`` is dense AdamS's own spread over the seeds (largest over
+    smallest validation loss), the noise floor a ratio is read against.
+    """
     names = _order(sorted({r["name"] for r in suite["rows"]}))
-    head = f"{'setting':>26} {'steps':>5} {'adams_val':>9} " + " ".join(f"{n:>12}" for n in names)
+    head = f"{'setting':>26} {'steps':>5} {'adams_val':>9} {'seed_spr':>8} " + " ".join(f"{n:>12}" for n in names)
     lines = [head]
     keys = sorted(
         {(r["setting"], r["horizon"]) for r in suite["rows"]}, key=lambda k: (list(suite["settings"]).index(k[0]), k[1])
@@ -24,7 +28,9 @@ def format_suite_table(suite: dict[str, Any]) -> str:
     for setting, h in keys:
         cells = {r["name"]: r for r in suite["rows"] if r["setting"] == setting and r["horizon"] == h}
         ref = cells["adams"]["val_loss"]
-        row = f"{setting:>26} {h:>5} {ref:>9.4f} " + " ".join(
+        spread = cells["adams"].get("dense_seed_spread")
+        spr = f"{spread:>8.3f}" if spread is not None and len(cells["adams"].get("seeds", [])) > 1 else f"{'-':>8}"
+        row = f"{setting:>26} {h:>5} {ref:>9.4f} {spr} " + " ".join(
             f"{cells[n]['ratio_to_adams']:>12.4f}" if n in cells else f"{'-':>12}" for n in names
         )
         lines.append(row)
@@ -33,23 +39,29 @@ def format_suite_table(suite: dict[str, Any]) -> str:
         if r["wire_ratio_to_adams"] is not None:
             wire.setdefault(r["name"], []).append(r["wire_ratio_to_adams"])
     lines.append(
-        f"{'wire bytes / dense AdamS':>26} {'':>5} {'':>9} "
+        f"{'wire bytes / dense AdamS':>26} {'':>5} {'':>9} {'':>8} "
         + " ".join(f"{max(wire[n]):>12.4f}" if n in wire else f"{'-':>12}" for n in names)
     )
     return "\n".join(lines)
 
 
 def format_worst_table(suite: dict[str, Any]) -> str:
-    """One line per run name: worst ratio to dense AdamS per horizon (and where), and the target verdict."""
+    """One line per run name: worst ratio to dense AdamS per horizon (where, each seed's range), and the verdict."""
     hs = [str(h) for h in suite["horizons"]]
-    head = f"{'run':>12} " + " ".join(f"{'worst@' + h:>10} {'setting':>26}" for h in hs) + f" {'target':>10}"
+    head = f"{'run':>12} " + " ".join(f"{'worst@' + h:>10} {'setting':>26} {'seeds':>13}" for h in hs)
+    head += f" {'target':>10}"
     lines = [head]
     for name in _order(list(suite["worst"])):
         w = suite["worst"][name]
         cells = []
         for h in hs:
             c = w["by_horizon"].get(h)
-            cells.append(f"{c['ratio']:>10.4f} {c['setting']:>26}" if c else f"{'-':>10} {'':>26}")
+            if not c:
+                cells.append(f"{'-':>10} {'':>26} {'':>13}")
+                continue
+            rs = c.get("seed_ratios") or []
+            seeds = f"{min(rs):.3f}..{max(rs):.3f}" if len(rs) > 1 else "-"
+            cells.append(f"{c['ratio']:>10.4f} {c['setting']:>26} {seeds:>13}")
         verdict = "-" if w["met"] is None else f"{'ok' if w['met'] else 'MISS'}<={w['max_ratio']:g}"
         lines.append(f"{name:>12} " + " ".join(cells) + f" {verdict:>10}")
     return "\n".join(lines)

@@ -249,13 +249,14 @@ def _cmd_suite(args: argparse.Namespace) -> int:
             flush=True,
         )
 
-    overrides: dict[str, Any] = {"nproc": args.nproc, "seed": args.seed, "job_timeout_s": args.timeout}
+    overrides: dict[str, Any] = {"nproc": args.nproc, "job_timeout_s": args.timeout}
     try:
         suite = run_suite(
             args.settings,
             horizons=args.horizons,
             densities=args.densities,
             methods=args.methods,
+            seeds=args.seeds if args.seeds is not None else (args.seed,),
             overrides=overrides,
             on_run=progress,
         )
@@ -268,7 +269,10 @@ def _cmd_suite(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     json_path = write_bench_json(out / "suite.json", suite)
     png_path = write_suite_plot(suite, out / "suite.png")
-    print(f"# {args.nproc} ranks; validation loss / dense ShardedAdamS, same seed and data order per setting")
+    print(
+        f"# {args.nproc} ranks; validation loss / dense ShardedAdamS, same seeds and data order per setting; "
+        f"seeds {','.join(map(str, suite['seeds']))} (cells: ratio of the mean over the seeds)"
+    )
     print(format_suite_table(suite))
     print("# worst case over the suite")
     print(format_worst_table(suite))
@@ -360,6 +364,12 @@ def _add_convergence_parser(inner: Any) -> None:
         "--settings", type=_names(tuple(SETTINGS)), default=None, help="suite: comma list of settings (default all)"
     )
     p.add_argument("--horizons", type=_ints, default=HORIZONS, help="suite: comma list of step counts to judge at")
+    p.add_argument(
+        "--seeds",
+        type=_seeds,
+        default=None,
+        help="suite: comma list of seeds; each setting runs once per seed and is judged on the mean (default: --seed)",
+    )
     p.set_defaults(func=_cmd_convergence, cmd_parser=p)
 
 
@@ -374,13 +384,20 @@ def _names(known: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
     return parse
 
 
-def _ints(text: str) -> tuple[int, ...]:
+def _ints(text: str, least: int = 1) -> tuple[int, ...]:
     try:
         items = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a comma list of integers, got {text!r}") from None
-    if not items or any(x < 1 for x in items):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    if not items or any(x < least for x in items):
+        raise argparse.ArgumentTypeError(f"expected integers >= {least}, got {text!r}")
+    return items
+
+
+def _seeds(text: str) -> tuple[int, ...]:
+    items = _ints(text, least=0)
+    if len(set(items)) != len(items):
+        raise argparse.ArgumentTypeError(f"expected distinct seeds, got {text!r}")
     return items
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from optim.benchmarks.suite import SETTINGS, SUITE_BASE, worst_case
+from optim.benchmarks.suite import SETTINGS, SUITE_BASE, mean_over_seeds, run_suite, worst_case
 from optim.train_job.config import TrainConfig
 from optim.train_job.tasks import TaskSpec, make_task, synthetic_text
 
@@ -87,3 +87,37 @@ def test_worst_case_takes_the_maximum_and_judges_targets() -> None:
     assert w["local@0.1"]["met"] is False and w["local@0.1"]["max_ratio"] == 1.02
     assert w["scape@0.01"]["met"] is True
     assert w["adams"]["met"] is None
+
+
+def _seed_row(name: str, seed: int, val: float, ref: float) -> dict[str, object]:
+    return {
+        "setting": "s", "horizon": 300, "trained_steps": 300, "name": name, "optimizer": name,
+        "density": 0.1 if "@" in name else 1.0, "seed": seed, "val_loss": val, "ratio_to_adams": val / ref,
+        "optimizer_wire_bytes_per_step": 10.0 * (seed + 1), "wire_ratio_to_adams": 0.1 if "@" in name else 1.0,
+        "largest_loss_rise": 0.1 * (seed + 1), "dense_largest_loss_rise": 0.3, "evals": [{"step": 300}],
+    }  # fmt: skip
+
+
+def test_mean_over_seeds_takes_the_ratio_of_means_and_keeps_each_seed() -> None:
+    dense = {0: 2.0, 1: 4.0}
+    rows = [_seed_row(n, s, v, dense[s]) for s in (1, 0) for n, v in (("adams", dense[s]), ("adamw", 3.0))]
+    rows += [_seed_row("local@0.1", 0, 1.0, 2.0), _seed_row("local@0.1", 1, 5.0, 4.0)]
+    by = {r["name"]: r for r in mean_over_seeds(rows)}
+    local = by["local@0.1"]
+    assert local["val_loss"] == 3.0 and local["ratio_to_adams"] == 1.0  # (1 + 5) / 2 over (2 + 4) / 2
+    assert local["ratio_to_adamw"] == 1.0 and local["seed_ratios"] == [0.5, 1.25] and local["seeds"] == [0, 1]
+    assert local["dense_seed_spread"] == 2.0 and local["largest_loss_rise"] == 0.2
+    assert local["optimizer_wire_bytes_per_step"] == 15.0 and set(local["evals"]) == {"0", "1"}
+    assert by["adams"]["ratio_to_adams"] == 1.0
+    w = worst_case(list(by.values()))
+    assert w["local@0.1"]["by_horizon"]["300"]["seed_ratios"] == [0.5, 1.25]
+    with pytest.raises(ValueError, match="seeds"):
+        mean_over_seeds(rows[:-1] + [rows[0] | {"name": "local@0.1", "seed": 7}])
+
+
+@pytest.mark.parametrize("seeds", [(), (0, 0), (-1,)])
+def test_suite_refuses_bad_seeds_before_running(seeds: tuple[int, ...]) -> None:
+    with pytest.raises(ValueError, match="seeds"):
+        run_suite(["digits-mlp-const"], seeds=seeds)
+    with pytest.raises(ValueError, match="seeds"):
+        run_suite(["digits-mlp-const"], overrides={"seed": 3})
