@@ -41,7 +41,8 @@ from datetime import timedelta
 from typing import Any
 
 from bindings.errors import CommError
-from bindings.store import connect_store, open_store
+from bindings.etcd_store import EtcdStore
+from bindings.store import open_store
 from resilient_comm import keys
 from resilient_comm.auth import ControlStore, RecordError
 from resilient_comm.config import CoordinatorConfig
@@ -118,8 +119,8 @@ class Coordinator:
             )
             self._begin_job()
         else:  # a candidate: the control thread waits for the lease first
-            raw = connect_store(cfg.store_address, cfg.heartbeat_timeout + cfg.ack_timeout)
-            self._leadership = Leadership(raw, cfg.heartbeat_timeout)  # type: ignore[arg-type]
+            raw = EtcdStore(cfg.store_address, cfg.heartbeat_timeout + cfg.ack_timeout)
+            self._leadership = Leadership(raw, cfg.heartbeat_timeout)
             self._store = ControlStore(raw, cfg.secret)
         self._thread = threading.Thread(target=self._run, name="sparsecomm-coordinator", daemon=True)
         self._thread.start()

@@ -52,6 +52,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from optim.paths import pythonpath_env
 from optim.train_job.resilient import ResilienceConfig, failure_timeline, run_resilient_training
 from optim.train_job.train import TrainConfig
 from resilient_comm.launcher import LaunchConfig, Launcher
@@ -417,7 +418,6 @@ def run_loopback(nbytes: int, iters: int, *, timeout_s: float = 300.0, out: str 
     logdir.mkdir(parents=True, exist_ok=True)
     for old in logdir.glob("result-*.json"):
         old.unlink()
-    repo = str(Path(__file__).resolve().parents[2])
     launcher = Launcher(
         [sys.executable, "-m", "optim.benchmarks.checkpoint", str(logdir), str(nbytes), str(iters)],
         LaunchConfig(
@@ -427,7 +427,7 @@ def run_loopback(nbytes: int, iters: int, *, timeout_s: float = 300.0, out: str 
             min_world_size=2,
             job_timeout=timedelta(seconds=timeout_s),
             events=str(logdir / "coordinator.events"),
-            env={"PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH", "")]))},
+            env=pythonpath_env(),
         ),
     )
     status: list[int] = []

@@ -36,7 +36,14 @@ from resilient_comm.communicator import FaultAwareCommunicator
 from resilient_comm.errors import MembershipError
 from resilient_comm.events import ProcessEvents
 
-__all__ = ["value_for", "expected_sum", "resources", "main"]
+__all__ = ["command", "value_for", "expected_sum", "resources", "main"]
+
+
+def command(*, steps: int, numel: int, sleep: float, log: str | Path, timeout: float | None = None) -> list[str]:
+    """The command line of one drill worker (``timeout``: each collective's deadline, default the drill's own)."""
+    cmd = [sys.executable, "-m", "optim.benchmarks.drill", "--steps", str(steps), "--numel", str(numel)]
+    cmd += ["--sleep", str(sleep), "--log", str(log)]
+    return cmd if timeout is None else cmd + ["--timeout", str(timeout)]
 
 
 def value_for(step: int, slot: int) -> float:

@@ -28,13 +28,14 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from optim.benchmarks.drill import command as drill_command
+from optim.paths import pythonpath_env
 from resilient_comm.events import read_event_dir, read_events
 
 __all__ = ["DEFAULT_PORT", "Hosts", "HostsJob", "Loopback", "kill_all", "unavailable", "wait_for"]
 
 #: The coordinator's port in :class:`HostsJob` (each namespace has its own ports).
 DEFAULT_PORT = 29400
-REPO_ROOT = str(Path(__file__).resolve().parents[2])
 
 T = TypeVar("T")
 
@@ -258,21 +259,19 @@ class HostsJob:
         argv = [sys.executable, "-m", "optim", "coordinator", "--world-size", str(workers), "--mode", mode]
         argv += ["--heartbeat-timeout", str(hb), "--stall-grace", str(grace), "--host", hosts.address(0)]
         argv += ["--port", str(port), "--events", str(self.events_path), "--job", job, "--secret-file", str(secret)]
-        path = os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH", "")]))
-        self.coordinator = hosts.run(0, argv, env={"PYTHONPATH": path}, stdout=subprocess.PIPE)
+        self.coordinator = hosts.run(0, argv, env=pythonpath_env(), stdout=subprocess.PIPE)
         assert self.coordinator.stdout is not None
         banner = self.coordinator.stdout.readline().decode()
         if f"SPARSECOMM_COORDINATOR={hosts.address(0)}:{port}" not in banner:
             raise RuntimeError(f"the coordinator did not start: {banner!r}")
         env = {
-            "PYTHONPATH": path,
+            **pythonpath_env(),
             "SPARSECOMM_COORDINATOR": f"{hosts.address(0)}:{port}",
             "SPARSECOMM_JOB_ID": job,
             "SPARSECOMM_JOB_SECRET_FILE": str(secret),
             "SPARSECOMM_BACKEND": "gloo",
         }
-        drill = [sys.executable, "-m", "optim.benchmarks.drill", "--steps", str(steps), "--numel", str(numel)]
-        drill += ["--sleep", str(sleep), "--log", str(self.log_dir), "--timeout", str(timeout)]
+        drill = drill_command(steps=steps, numel=numel, sleep=sleep, log=self.log_dir, timeout=timeout)
 
         def start(host: int, role: str, slot: int) -> subprocess.Popen[bytes]:
             more = {"SPARSECOMM_ROLE": role, "SPARSECOMM_SLOT": str(slot), "GLOO_SOCKET_IFNAME": hosts.interface(host)}

@@ -47,8 +47,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from optim.benchmarks.drill import command as drill_command
 from optim.benchmarks.etcd_cluster import EtcdCluster, etcd_unavailable
 from optim.benchmarks.hosts import DEFAULT_PORT, Hosts, HostsJob, Loopback, unavailable
+from optim.paths import pythonpath_env
 from resilient_comm.auth import JobSecret
 from resilient_comm.events import read_event_dir, read_events
 from resilient_comm.launcher import LaunchConfig, Launcher
@@ -179,10 +181,7 @@ def run_recovery_scenario(
 
 def _drill(config: RecoveryBenchConfig, logdir: Path, steps: int) -> tuple[list[str], dict[str, str]]:
     """The drill worker's command line and environment."""
-    cmd = [sys.executable, "-m", "optim.benchmarks.drill", "--steps", str(steps), "--numel", str(config.numel)]
-    cmd += ["--sleep", str(config.sleep_s), "--log", str(logdir)]
-    repo = str(Path(__file__).resolve().parents[2])
-    return cmd, {"PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH", "")]))}
+    return drill_command(steps=steps, numel=config.numel, sleep=config.sleep_s, log=logdir), pythonpath_env()
 
 
 def _failover_scenario(nproc: int, config: RecoveryBenchConfig, root: Path) -> dict[str, Any]:

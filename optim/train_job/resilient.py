@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from bindings.errors import CommError
+from optim.paths import pythonpath_env
 from optim.resilient import ResilientConfig, ResilientTraining
 from optim.snapshot import UnrecoverableStateError
 from optim.train_job.config import TrainConfig, build_optimizer
@@ -240,7 +241,6 @@ def run_resilient_training(config: TrainConfig, res: ResilienceConfig, out: str 
         tmp = ckpt / f".{TRAIN_SPEC}.tmp-{os.getpid()}"
         tmp.write_text(json.dumps(dataclasses.asdict(config)) + "\n")
         os.replace(tmp, ckpt / TRAIN_SPEC)
-    repo = str(Path(__file__).resolve().parents[2])
     launcher = Launcher(
         [sys.executable, "-m", "optim.train_job.resilient", str(spec_path)],
         LaunchConfig(
@@ -251,7 +251,7 @@ def run_resilient_training(config: TrainConfig, res: ResilienceConfig, out: str 
             heartbeat_timeout=timedelta(seconds=res.heartbeat_timeout_s),
             events=str(out / "coordinator.events"),
             job_timeout=timedelta(seconds=config.job_timeout_s),
-            env={"PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH", "")]))},
+            env=pythonpath_env(),
         ),
     )
     t0 = time.time()

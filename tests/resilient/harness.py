@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 from bindings.store import connect_store
 from optim.benchmarks.hosts import kill_all, wait_for
+from optim.paths import REPO_ROOT
 from resilient_comm.auth import ControlStore, JobSecret
 from resilient_comm.events import read_event_dir, read_events
 from resilient_comm.keys import COMMITTED
@@ -29,7 +30,6 @@ from resilient_comm.membership import StoreMembership
 
 __all__ = ["DrillJob", "JobWatch", "REPO_ROOT", "check_contiguous", "kill_all", "vote_in_threads", "wait_until"]
 
-REPO_ROOT = str(Path(__file__).resolve().parents[2])
 
 T = TypeVar("T")
 

@@ -65,7 +65,7 @@ def test_the_store_keeps_torchs_contract(cluster: EtcdCluster) -> None:
     s = _store(cluster, "contract")
     s.set("a", b"\x00\xffbytes")
     assert s.get("a") == b"\x00\xffbytes" and s.check(["a"]) and not s.check(["a", "b"])
-    threading.Timer(0.3, lambda: _store_twin(s).set("late", "1")).start()
+    threading.Timer(0.3, lambda: s.clone().set("late", "1")).start()
     t0 = time.monotonic()
     assert s.get("late") == b"1" and 0.2 < time.monotonic() - t0 < 3  # get waits for the key
     s.set_timeout(timedelta(seconds=0.5))
@@ -83,10 +83,6 @@ def test_the_store_keeps_torchs_contract(cluster: EtcdCluster) -> None:
     assert s.compare_set("absent", "x", "y") == b"x" and not s.check(["absent"])
     assert s.multi_get(["a", "c"]) == [b"\x00\xffbytes", b"v3"]
     assert s.delete_key("a") and not s.delete_key("a") and s.num_keys() == 2  # late and c
-
-
-def _store_twin(s: EtcdStore) -> EtcdStore:
-    return s.clone()
 
 
 @pytest.mark.timeout(60)
