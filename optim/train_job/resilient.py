@@ -1,9 +1,13 @@
 """Failure-transparent training of the GPT train job: ``sparsecomm train --kill`` / ``--spares``.
 
 The parent (:func:`run_resilient_training`) starts a coordinator, ``nproc``
-workers and ``spares`` spares with :class:`resilient_comm.launcher.Launcher`,
-SIGKILLs the workers named by ``kills`` (``(slot, step)``: while that step
-runs) from outside, and collects the result. Every worker
+workers and ``spares`` spares with :class:`resilient_comm.launcher.Launcher`
+and collects the result. A failure named in ``kills`` (``(slot, step)``) is a
+real SIGKILL at an exact moment: the worker holding that slot sends it to
+itself inside that step, after its forward and backward, while the others
+enter the optimizer's collectives; once only (a marker file in the output
+folder records it, so the spare that recomputes the step does not die
+again). Every worker
 (``python -m optim.train_job.resilient SPEC``) runs the train job's step
 (:func:`optim.train_job.train.train_step`: same model, data from
 ``(seed, step, slot)``, learning-rate schedule, optimizer) as a client of the
@@ -26,7 +30,6 @@ import logging
 import os
 import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -51,6 +54,9 @@ logger = logging.getLogger(__name__)
 
 RECOVERY_MODES = ("hotswap", "shrink")
 
+_KILL_PREFIX = "kill-"
+"""Name prefix of the marker files of the kills done (``kill-SLOT-STEP.json`` in the output folder)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class ResilienceConfig:
@@ -58,7 +64,8 @@ class ResilienceConfig:
 
     Attributes:
         spares: Spare processes in standby.
-        kills: ``(slot, step)`` pairs: SIGKILL the worker holding ``slot`` while ``step`` runs.
+        kills: ``(slot, step)`` pairs: the worker holding ``slot`` SIGKILLs itself inside ``step``
+            (after its backward, before the optimizer step), the first time it runs that step.
         snapshot: Keep in-memory snapshots replicated to a buddy (off: a
             failure restarts the run from step 0, which is still exact).
         recovery: ``hotswap`` (spares fill dead slots; shrink once none is left) or ``shrink``.
@@ -172,10 +179,13 @@ def _run_worker(config: TrainConfig, res: ResilienceConfig, out: Path, log: Proc
         on_event=log,
     )
     evals: dict[int, float] = {}
+    kills = set(res.kills)
     try:
         for step in ft.steps(config.steps):
             with ft.step(step):
                 loss = train_step(model, ft.optimizer, task, config, step, ft.rank)
+                if (ft.rank, step) in kills:
+                    _kill_once(out, ft.rank, step)
                 ft.optimizer_step(loss)  # a step with a NaN or Inf anywhere is skipped (ft.skipped)
                 if step == config.steps or (config.eval_interval and step % config.eval_interval == 0):
                     evals[step] = _evaluate(model, ft.optimizer, task, config, ft.rank)
@@ -201,6 +211,21 @@ def _run_worker(config: TrainConfig, res: ResilienceConfig, out: Path, log: Proc
     return 0
 
 
+def _kill_once(out: Path, slot: int, step: int) -> None:
+    """SIGKILL this process unless the kill ``slot@step`` already happened (its marker file exists)."""
+    try:
+        fd = os.open(out / f"{_KILL_PREFIX}{slot}-{step}.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return  # this step is being recomputed after that kill
+    record = {"slot": slot, "step": step, "pid": os.getpid(), "time": time.time()}
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    logger.info("killing slot %d (pid %d) at step %d", slot, os.getpid(), step)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def worker_main(spec_path: str) -> int:
     """Entry point of one worker (``python -m optim.train_job.resilient SPEC``)."""
     spec = json.loads(Path(spec_path).read_text())
@@ -218,7 +243,7 @@ def worker_main(spec_path: str) -> int:
 
 # ---------------------------------------------------------------------------------------------- parent
 def run_resilient_training(config: TrainConfig, res: ResilienceConfig, out: str | Path) -> dict[str, Any]:
-    """Run the job with failures injected from outside; return what the workers and the coordinator saw.
+    """Run the job with the failures of ``res.kills``; return what the workers and the coordinator saw.
 
     Returns:
         ``status`` (the job's exit status), ``losses`` (per step, from its
@@ -230,7 +255,7 @@ def run_resilient_training(config: TrainConfig, res: ResilienceConfig, out: str 
     res.check_against(config)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    for old in list(out.glob("*.jsonl")) + list(out.glob("result-*.json")):
+    for old in list(out.glob("*.jsonl")) + list(out.glob("result-*.json")) + list(out.glob(f"{_KILL_PREFIX}*.json")):
         old.unlink()
     spec = {"train": dataclasses.asdict(config), "resilience": dataclasses.asdict(res), "out": str(out)}
     spec_path = out / "spec.json"
@@ -255,12 +280,9 @@ def run_resilient_training(config: TrainConfig, res: ResilienceConfig, out: str 
         ),
     )
     t0 = time.time()
-    status: list[int] = []
     launcher.start()
-    waiter = threading.Thread(target=lambda: status.append(launcher.wait()), daemon=True)
-    waiter.start()
-    kills = _inject(launcher, res.kills, waiter)
-    waiter.join()
+    status = launcher.wait()
+    kills = sorted((json.loads(p.read_text()) for p in out.glob(f"{_KILL_PREFIX}*.json")), key=lambda k: k["time"])
     results = {}
     for path in out.glob("result-*.json"):
         r = json.loads(path.read_text())
@@ -281,7 +303,7 @@ def run_resilient_training(config: TrainConfig, res: ResilienceConfig, out: str 
     for r in sorted(results.values(), key=lambda r: -int(r["rank"])):
         evals.update({int(k): v for k, v in r.get("evals", {}).items()})
     return {
-        "status": status[0] if status else 1,
+        "status": status,
         "losses": dict(sorted(losses.items())) if results else {},
         "evals": dict(sorted(evals.items())),
         "params_digest": first.get("params_digest"),
@@ -328,44 +350,6 @@ def failure_timeline(result: dict[str, Any]) -> list[dict[str, Any]]:
             }
         )
     return out
-
-
-def _inject(launcher: Launcher, kills: tuple[tuple[int, int], ...], waiter: threading.Thread) -> list[dict[str, Any]]:
-    """SIGKILL ``slot`` once step ``step - 1`` is committed (so ``step`` is running)."""
-    done: list[dict[str, Any]] = []
-    pending = sorted(kills, key=lambda k: k[1])
-    if not pending:
-        return done
-    # wait until the first epoch is configured: a kill before that (step 1) would hit the workers
-    # while they build their first transport, not while step 1 runs
-    while waiter.is_alive() and not any(e["event"] == "epoch_configured" for e in launcher.coordinator.log.events):
-        time.sleep(0.01)
-    if not waiter.is_alive():
-        return done
-    while pending and waiter.is_alive():
-        try:
-            committed = launcher.coordinator.committed_step()
-        except RuntimeError:  # the job ended (its store went away) while kills were pending
-            time.sleep(0.01)
-            continue
-        slot, step = pending[0]
-        if committed >= step - 1:
-            pid = launcher.pid_of_slot(slot)
-            os.kill(pid, signal.SIGKILL)
-            done.append({"slot": slot, "step": step, "pid": pid, "time": time.time()})
-            logger.info("killed slot %d (pid %d) at step %d", slot, pid, step)
-            pending.pop(0)
-            # the next kill waits for the epoch that replaced this one
-            while waiter.is_alive() and launcher.coordinator.view is not None and pid in _view_pids(launcher):
-                time.sleep(0.01)
-        time.sleep(0.002)
-    return done
-
-
-def _view_pids(launcher: Launcher) -> set[int]:
-    view = launcher.coordinator.view
-    members = launcher.coordinator.members()
-    return set() if view is None else {members[m].pid for m in view.members}
 
 
 if __name__ == "__main__":
