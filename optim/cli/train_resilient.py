@@ -26,7 +26,12 @@ def add_resilience_options(p: argparse.ArgumentParser) -> None:
     """The fault-tolerance options of ``sparsecomm train``."""
     p.add_argument("--spares", type=int, default=0, help="spare processes (fault-tolerant run when > 0 or --kill)")
     p.add_argument(
-        "--kill", type=_kill, action="append", default=[], metavar="SLOT@STEP", help="the worker holding SLOT SIGKILLs itself inside STEP, once (repeatable)"
+        "--kill",
+        type=_kill,
+        action="append",
+        default=[],
+        metavar="SLOT@STEP",
+        help="the worker holding SLOT SIGKILLs itself inside STEP, once (repeatable)",
     )
     p.add_argument("--snapshot", choices=("on", "off"), default="on", help="in-memory snapshots replicated to a buddy")
     p.add_argument(
