@@ -192,6 +192,7 @@ def run_resilient_cmd(args: argparse.Namespace, config: TrainConfig) -> int:
         "params_digest": run["params_digest"],
         "final_members_agree": run["digests_agree"],
         "failures": failures,
+        "missed_kills": run["missed_kills"],
         "snapshot": _snapshot_overhead(run),
         "verdict": verdict,
         "events": run["events"],
@@ -209,6 +210,8 @@ def run_resilient_cmd(args: argparse.Namespace, config: TrainConfig) -> int:
             f"+{_s(f['restored_s'])}, first committed step after +{_s(f['resumed_s'])}; "
             f"{f['steps_recomputed']} step(s) recomputed"
         )
+    for m in run["missed_kills"]:
+        print(f"not killed: slot {m['slot']} at step {m['step']} (no worker held that slot at that step)")
     snap = report["snapshot"]
     if snap["overhead_fraction"] is not None:
         print(

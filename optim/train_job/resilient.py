@@ -250,7 +250,8 @@ def run_resilient_training(config: TrainConfig, res: ResilienceConfig, out: str 
         last commit), ``evals`` (per step, from the final members), ``params_digest`` (every final member
         must agree), ``results`` (per final rank), ``events`` (coordinator and
         worker events, ``time`` in unix seconds), ``kills`` (slot, step, pid,
-        time), ``wall_time_s``.
+        time: those done), ``missed_kills`` (slot, step: those that no worker
+        reached, e.g. a slot beyond the world after a shrink), ``wall_time_s``.
     """
     res.check_against(config)
     out = Path(out)
@@ -283,6 +284,11 @@ def run_resilient_training(config: TrainConfig, res: ResilienceConfig, out: str 
     launcher.start()
     status = launcher.wait()
     kills = sorted((json.loads(p.read_text()) for p in out.glob(f"{_KILL_PREFIX}*.json")), key=lambda k: k["time"])
+    done = {(k["slot"], k["step"]) for k in kills}
+    missed = [{"slot": slot, "step": step} for slot, step in res.kills if (slot, step) not in done]
+    if missed:
+        # a slot beyond the world after a shrink, or a job that ended before that step
+        logger.warning("kills not done (no worker held the slot at that step): %s", missed)
     results = {}
     for path in out.glob("result-*.json"):
         r = json.loads(path.read_text())
@@ -311,6 +317,7 @@ def run_resilient_training(config: TrainConfig, res: ResilienceConfig, out: str 
         "results": results,
         "events": events,
         "kills": kills,
+        "missed_kills": missed,
         "wall_time_s": time.time() - t0,
     }
 

@@ -171,11 +171,16 @@ def test_hotswap_dense_baselines_are_bitwise_transparent(tmp_path: Path, referen
 
 @pytest.mark.timeout(240)
 def test_local_adams_shrink_goes_on_from_each_survivors_replica(tmp_path: Path) -> None:
-    """No spare: the survivors shrink, each restores its own replica in the new layout, and they finish."""
+    """No spare: the survivors shrink, each restores its own replica in the new layout, and they finish.
+
+    A second kill names slot 3, which the shrink to three ranks removed: it is reported as not done.
+    """
     config = _config("local-adams", density=0.1)
-    run = run_resilient_training(config, _res(spares=0, kills=((1, 13),)), tmp_path)
+    run = run_resilient_training(config, _res(spares=0, kills=((1, 13), (3, 18))), tmp_path)
     _report("local-adams kill 1@13, shrink", run)
     assert run["status"] == 0, _tail(run)
+    assert [(k["slot"], k["step"]) for k in run["kills"]] == [(1, 13)]
+    assert run["missed_kills"] == [{"slot": 3, "step": 18}]
     assert sorted(run["losses"]) == list(range(1, STEPS + 1))
     assert len(run["results"]) == 3 and {r["world_size"] for r in run["results"].values()} == {3}
     assert run["digests_agree"]  # the final average leaves one model on every member
