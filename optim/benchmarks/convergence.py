@@ -50,9 +50,10 @@ TARGETS = {0.1: 1.02, 0.01: 1.05}
 OnRun = Callable[[dict[str, Any]], None]
 
 
-METHODS = ("scape", "local", "local-plain", "local-f32", "periodic", "topk")
+METHODS = ("scape", "local", "local-spread", "local-plain", "local-f32", "periodic", "topk")
 """Sparse methods a convergence run can compare, each at every density: SCAPE; LocalAdamS with its
-defaults (``local``: staggered window of bfloat16 changes, debiased normalizer), with plain
+defaults (``local``: staggered window of bfloat16 changes, debiased normalizer), the same with
+the window spread over every tensor (``local-spread``), with plain
 per-rank AdamS (``local-plain``), with float32 values and plain AdamS (``local-f32``), with a
 periodic dense float32 average and plain AdamS (``periodic``); TopKAdamS (top-k + error feedback)."""
 
@@ -63,6 +64,13 @@ _METHOD_OVERRIDES: dict[str, dict[str, Any]] = {
         "local_schedule": "staggered",
         "local_wire": "bfloat16",
         "local_normalizer": "debiased",
+    },
+    "local-spread": {
+        "optimizer": "local-adams",
+        "local_schedule": "staggered",
+        "local_wire": "bfloat16",
+        "local_normalizer": "debiased",
+        "local_window_order": "spread",
     },
     "local-plain": {
         "optimizer": "local-adams",

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from optim.benchmarks.output import write_bench_json
-from optim.local import LOCAL_SCHEDULES, NORMALIZERS
+from optim.local import LOCAL_SCHEDULES, NORMALIZERS, WINDOW_ORDERS
 from optim.scape import MASK_SCORES, UNSELECTED_POLICIES
 from optim.train_job.config import TrainConfig
 from optim.train_job.tasks import ARCHS, CORPORA, TASKS
@@ -76,6 +76,12 @@ def add_scape_options(p: argparse.ArgumentParser, d: TrainConfig) -> None:
         default=d.local_normalizer,
         help="LocalAdamS: AdamS normalizer of the averaged gradient (debiased) or of this rank's own (local)",
     )
+    p.add_argument(
+        "--local-window-order",
+        choices=WINDOW_ORDERS,
+        default=d.local_window_order,
+        help="LocalAdamS: the staggered window through the shard in order (contiguous) or spread over every tensor",
+    )
     p.add_argument("--mask-delay", type=int, default=d.mask_delay, help="SCAPE: mask delay D")
     p.add_argument("--unselected", choices=UNSELECTED_POLICIES, default=d.unselected, help="SCAPE: unselected policy")
     p.add_argument("--error-feedback", action="store_true", help="SCAPE: keep the unsent gradient as a residual")
@@ -112,6 +118,7 @@ def scape_settings(args: argparse.Namespace) -> dict[str, Any]:
         "local_schedule": args.local_schedule,
         "local_wire": args.local_wire,
         "local_normalizer": args.local_normalizer,
+        "local_window_order": args.local_window_order,
         "mask_delay": args.mask_delay,
         "unselected": args.unselected,
         "error_feedback": args.error_feedback,

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from optim.local import LOCAL_SCHEDULES, NORMALIZERS, LocalAdamS, TopKAdamS
+from optim.local import LOCAL_SCHEDULES, NORMALIZERS, WINDOW_ORDERS, LocalAdamS, TopKAdamS
 from optim.scape import MASK_SCORES, SCAPE, UNSELECTED_POLICIES
 from optim.sharded import ShardedAdamS, ShardedAdamW
 from optim.train_job.data import DEFAULT_MAX_BYTES
@@ -46,6 +46,7 @@ class TrainConfig:
     local_schedule: str = "staggered"  # LocalAdamS: staggered | periodic averaging.
     local_wire: str = "bfloat16"  # LocalAdamS: bfloat16 changes since the last average | float32 values.
     local_normalizer: str = "debiased"  # LocalAdamS: debiased | local (see optim.LocalAdamS).
+    local_window_order: str = "contiguous"  # LocalAdamS: contiguous | spread staggered window.
     unselected: str = "decay_m"  # SCAPE: policy of unselected coordinates (freeze | decay_m).
     error_feedback: bool = False  # SCAPE: keep the unsent gradient as a local residual.
     refresh_every: int = 0  # SCAPE: every this many steps a dense step (0: never).
@@ -90,6 +91,8 @@ class TrainConfig:
             raise ValueError(f"local_wire must be 'float32' or 'bfloat16', got {self.local_wire!r}")
         if self.local_normalizer not in NORMALIZERS:
             raise ValueError(f"local_normalizer must be one of {NORMALIZERS}, got {self.local_normalizer!r}")
+        if self.local_window_order not in WINDOW_ORDERS:
+            raise ValueError(f"local_window_order must be one of {WINDOW_ORDERS}, got {self.local_window_order!r}")
         if self.local_schedule not in LOCAL_SCHEDULES:
             raise ValueError(f"local_schedule must be one of {LOCAL_SCHEDULES}, got {self.local_schedule!r}")
         if self.unselected not in UNSELECTED_POLICIES:
@@ -157,6 +160,7 @@ class TrainConfig:
                 "warmup_steps": self.sparse_warmup_steps,
                 "wire_dtype": self.local_wire,
                 "normalizer": self.local_normalizer,
+                "window_order": self.local_window_order,
             }
         if self.optimizer == "topk-adams":
             return {"density": self.density, "warmup_steps": self.sparse_warmup_steps}

@@ -50,6 +50,10 @@ def _make(kind: str, params: object, density: float) -> torch.optim.Optimizer:
     if kind == "default":
         return LocalAdamS(params, **kw)  # bfloat16 window, debiased normalizer
     # the references below run plain AdamS per rank: the local normalizer
+    if kind == "staggered-spread":
+        return LocalAdamS(
+            params, schedule="staggered", wire_dtype=torch.float32, normalizer="local", window_order="spread", **kw
+        )
     if kind.endswith("-bf16"):
         return LocalAdamS(params, schedule=kind[:-5], wire_dtype=torch.bfloat16, normalizer="local", **kw)
     return LocalAdamS(params, schedule=kind, wire_dtype=torch.float32, normalizer="local", **kw)
@@ -129,8 +133,9 @@ def _reference_local(ws: int, kind: str, density: float, k: int, shard: int, win
 
 
 @pytest.mark.parametrize("ws,density", [(2, 0.25), (3, 0.1)])
-def test_staggered_matches_reference_and_window_is_identical(ws: int, density: float) -> None:
-    res = run_ranks(_rank_run, ws, "staggered", density, timeout=120, op_timeout=60)
+@pytest.mark.parametrize("kind", ["staggered", "staggered-spread"])
+def test_staggered_matches_reference_and_window_is_identical(ws: int, density: float, kind: str) -> None:
+    res = run_ranks(_rank_run, ws, kind, density, timeout=120, op_timeout=60)
     k, shard, numel = res[0]["k"], res[0]["shard"], res[0]["numel"]
     assert k == math.ceil(density * shard)
     windows = res[0]["windows"]
@@ -276,6 +281,7 @@ def _rank_bad(rank: int, ws: int) -> list[str]:
         lambda: LocalAdamS(m.parameters(), density=1.5),
         lambda: LocalAdamS(m.parameters(), schedule="ring"),
         lambda: LocalAdamS(m.parameters(), warmup_steps=-1),
+        lambda: LocalAdamS(m.parameters(), window_order="random"),
         lambda: TopKAdamS(m.parameters(), density=True),
         lambda: LocalAdamS(m.parameters(), density=0.1 if rank == 0 else 0.2),  # differs between ranks
     ):
@@ -291,8 +297,8 @@ def test_bad_arguments_raise_the_same_everywhere() -> None:
     res = run_ranks(_rank_bad, 2, timeout=60, op_timeout=30)
     for msgs in res:
         assert all(m != "ok" for m in msgs), msgs
-    assert res[0][:5] == res[1][:5]
-    assert "differ between ranks" in res[0][5] and "differ between ranks" in res[1][5]
+    assert res[0][:6] == res[1][:6]
+    assert "differ between ranks" in res[0][6] and "differ between ranks" in res[1][6]
 
 
 @pytest.mark.parametrize("kind", ["staggered-bf16", "periodic-bf16"])

@@ -1,0 +1,44 @@
+"""Orders in which a staggered window visits a shard (:class:`optim.LocalAdamS`, ``window_order``)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+__all__ = ["SPREAD_BLOCK", "WINDOW_ORDERS", "spread_positions"]
+
+WINDOW_ORDERS = ("contiguous", "spread")
+"""``contiguous``: a shard in its own order; ``spread``: in the order of :func:`spread_positions`."""
+
+SPREAD_BLOCK = 16
+"""Positions that stay together in :func:`spread_positions` (one 64-byte cache line of fp32)."""
+
+
+def _spread_stride(blocks: int) -> int:
+    """The block stride of :func:`spread_positions`: coprime with ``blocks``, near ``blocks / golden ratio``."""
+    if blocks <= 2:
+        return 1
+    a = max(1, round(blocks * 0.6180339887498949))
+    while math.gcd(a, blocks) != 1:
+        a += 1
+    return a
+
+
+def spread_positions(pos: Tensor, size: int) -> Tensor:
+    """Map positions of ``[0, size)`` by a fixed bijection that spreads consecutive ones over the whole range.
+
+    Blocks of :data:`SPREAD_BLOCK` positions stay whole (cache lines); block
+    ``q`` goes to block ``q * a mod nb`` (``nb`` whole blocks, ``a`` coprime
+    with ``nb`` near ``nb / golden ratio``, so that any run of consecutive
+    blocks lands evenly over the range); a partial last block maps to itself.
+    A window of consecutive positions thus takes a share of every tensor of
+    the shard instead of whole tensors.
+    """
+    nb = size // SPREAD_BLOCK
+    full = nb * SPREAD_BLOCK
+    a = _spread_stride(nb)
+    q, r = torch.div(pos, SPREAD_BLOCK, rounding_mode="floor"), pos % SPREAD_BLOCK
+    mapped = (q * a) % max(nb, 1) * SPREAD_BLOCK + r
+    return torch.where(pos < full, mapped, pos)

@@ -1,0 +1,39 @@
+"""The order in which LocalAdamS's staggered window visits a shard (:func:`optim.window_order.spread_positions`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from optim.window_order import SPREAD_BLOCK, spread_positions
+
+
+@pytest.mark.parametrize("size", [1, 2, 15, 16, 17, 31, 32, 33, 48, 100, 1000, 4099, 65536, 100_003])
+def test_a_bijection_of_the_shard(size: int) -> None:
+    out = spread_positions(torch.arange(size), size)
+    assert out.dtype == torch.int64
+    assert torch.equal(out.sort().values, torch.arange(size))
+
+
+def test_blocks_stay_whole_and_the_partial_tail_stays_put() -> None:
+    size = 10 * SPREAD_BLOCK + 5
+    out = spread_positions(torch.arange(size), size)
+    blocks = out[: 10 * SPREAD_BLOCK].view(10, SPREAD_BLOCK)
+    assert torch.equal(blocks - blocks[:, :1], torch.arange(SPREAD_BLOCK).expand(10, -1))  # contiguous lines
+    assert torch.equal(blocks[:, 0] % SPREAD_BLOCK, torch.zeros(10, dtype=torch.int64))  # aligned
+    assert torch.equal(out[10 * SPREAD_BLOCK :], torch.arange(10 * SPREAD_BLOCK, size))
+
+
+@pytest.mark.parametrize("size,k", [(1_000_000, 100_000), (1_000_000, 10_000), (54_321, 1_000)])
+def test_any_window_of_consecutive_positions_lands_evenly_over_the_shard(size: int, k: int) -> None:
+    """Each tenth of the shard gets between half and twice its share of every window (not one tenth all)."""
+    for lo in (0, size // 3, size - k // 2):
+        pos = spread_positions(torch.arange(lo, lo + k) % size, size)
+        counts = torch.bincount(pos * 10 // size, minlength=10)
+        assert counts.min() >= k / 20 and counts.max() <= k / 5, (lo, counts.tolist())
+
+
+def test_the_same_on_every_call() -> None:
+    a = spread_positions(torch.arange(500, 900), 12_345)
+    b = spread_positions(torch.arange(500, 900), 12_345)
+    assert torch.equal(a, b)
