@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -57,6 +58,7 @@ def main() -> int:
     p.add_argument("--checkpoint-dir", default=None, help="also write persistent checkpoints there")
     p.add_argument("--checkpoint-every", type=int, default=0, help="committed steps between checkpoints")
     p.add_argument("--resume", action="store_true", help="start from the newest complete checkpoint")
+    p.add_argument("--step-seconds", type=float, default=0.0, help="extra 'compute' per step (s); results unchanged")
     args = p.parse_args()
 
     torch.manual_seed(0)  # the same model on every process, spares included
@@ -75,6 +77,7 @@ def main() -> int:
             ft.optimizer.zero_grad(set_to_none=True)
             loss = F.cross_entropy(model(x), y)
             loss.backward()
+            time.sleep(args.step_seconds)
             ft.optimizer_step(loss)
             ft.scheduler.step()  # type: ignore[union-attr]
     member = ft.is_member
