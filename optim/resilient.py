@@ -157,9 +157,8 @@ class ResilientTraining:
         self._init_rng = torch.get_rng_state()
         self._init_state = {name: ts.copy_tensors(obj.state_dict()) for name, obj in state.items()}
         if communicator is None:
-            communicator = FaultAwareCommunicator.connect(
-                timeout=self.config.timeout, side_channel=self.config.snapshots
-            )
+            cfg = self.config
+            communicator = FaultAwareCommunicator.connect(timeout=cfg.timeout, side_channel=cfg.snapshots)
             dist.init_process_group(communicator=communicator)
         self.comm = communicator
         self._store: CheckpointStore | None = None
@@ -176,9 +175,7 @@ class ResilientTraining:
         self._sched: Stateful | None = None
         self._snaps = SlotSnapshots(self.comm, self.config.timeout)
         self._stragglers = StragglerDetector(factor=cfg.straggler_factor, window=cfg.straggler_window)
-        self._next, self._total = 1, 0
-        self._started = False
-        self._finished = False
+        self._next, self._total, self._started, self._finished = 1, 0, False, False
         self._in_step: int | None = None
         self._entered = 0  # steps entered so far (a yielded step that is never entered is a bug of the loop)
         self._stepped = False
@@ -549,6 +546,8 @@ class ResilientTraining:
             disk = True
         else:
             restore_step, disk = plan.step, False
+            if restore_step == 0 and self.config.resume:  # a failure before the resumed run's first snapshot:
+                restore_step, disk = self._load_checkpoint(), True  # its initial state is the checkpoint
         phases["agree_s"] = time.time() - t0
         recomputed = max(0, last - restore_step) if restore_step >= 0 else last
         if disk:

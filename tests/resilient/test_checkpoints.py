@@ -30,6 +30,7 @@ pytestmark = pytest.mark.dist
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "resilient_loop.py"
+RESUME_KILL = ROOT / "tests" / "resilient" / "workers" / "resume_kill.py"
 STEPS, EVERY, NPROC = 30, 5, 3
 
 
@@ -253,3 +254,32 @@ def test_a_full_disk_ends_the_run_on_every_rank(tmp_path: Path) -> None:
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)
     assert rc != 0 and report is None, log
     assert "CheckpointError" in log and "could not be written on ranks" in log, log
+
+
+@pytest.mark.parametrize("spares", [1, 0], ids=["hotswap", "shrink"])
+def test_a_worker_killed_while_the_resume_loads_goes_on_from_the_checkpoint(tmp_path: Path, spares: int) -> None:
+    """A failure before the resumed run's first snapshot: the recovery restores the checkpoint, not the seed's
+    initial state (which would train from scratch with the history gone)."""
+
+    def run(out: Path, *args: str) -> dict[str, Any]:
+        out.mkdir(parents=True)
+        cmd = [sys.executable, "-m", "optim", "launch", "--nproc", "3", "--spares", str(spares), "--job-timeout", "150"]
+        cmd += ["--", sys.executable, str(RESUME_KILL), "--out", str(out), *args]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=200)
+        assert proc.returncode == 0 and (out / "report.json").exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+        report: dict[str, Any] = json.loads((out / "report.json").read_text())
+        return report
+
+    ckpt = str(tmp_path / "ckpt")
+    ref = run(tmp_path / "ref", "--steps", "20", "--checkpoint-dir", str(tmp_path / "ref-ckpt"))
+    first = run(tmp_path / "first", "--steps", "10", "--checkpoint-dir", ckpt)
+    resumed = run(tmp_path / "second", "--steps", "20", "--checkpoint-dir", ckpt, "--resume", "--kill-on-resume")
+    assert (tmp_path / "second" / "killed").exists()  # the kill happened
+    assert [(r["restore_step"], r["from_disk"]) for r in resumed["recoveries"]] == [(10, True)]
+    assert all(resumed["losses"][k] == v for k, v in first["losses"].items())  # the history came back
+    assert sorted(resumed["losses"], key=int) == [str(s) for s in range(1, 21)]
+    if spares:  # the same world: bit for bit the uninterrupted run
+        assert resumed["losses"] == ref["losses"] and resumed["digest"] == ref["digest"]
+    else:  # two workers go on from step 10
+        assert all(resumed["losses"][str(s)] < resumed["losses"]["1"] for s in range(11, 21))
