@@ -68,6 +68,7 @@ from optim.sharded import ShardedAdamS, take_written
 from optim.window_order import WINDOW_ORDERS, spread_positions
 from sparsecomm.collectives import sparse_all_reduce
 from sparsecomm.mask import ShardedMask, k_for
+from sparsecomm.quantized import Quantizer, quantized_all_reduce
 
 __all__ = [
     "LOCAL_SCHEDULES",
@@ -323,6 +324,7 @@ class LocalAdamS(ReplicatedAdamS):
         group: Any = None,
         *,
         wire_dtype: torch.dtype = torch.bfloat16,
+        wire_bits: int | None = None,
         normalizer: str = "debiased",
         window_order: str = "contiguous",
         wd_min_ndim: int = 2,
@@ -339,7 +341,14 @@ class LocalAdamS(ReplicatedAdamS):
             raise ValueError(f"Invalid wire_dtype: {wire_dtype!r} (must be one of {WIRE_DTYPES})")
         self.schedule = schedule
         self.wire_dtype = wire_dtype
-        scale = torch.finfo(torch.float32).bits // torch.finfo(wire_dtype).bits
+        self.quantizer: Quantizer | None = None
+        """The encoding of the changes when ``wire_bits`` is set."""
+        scale = float(torch.finfo(torch.float32).bits // torch.finfo(wire_dtype).bits)
+        if wire_bits is not None:
+            if wire_dtype == torch.float32:
+                raise ValueError("wire_bits encodes the changes since the last average: use wire_dtype=torch.bfloat16")
+            self.quantizer = Quantizer(bits=wire_bits)
+            scale = torch.finfo(torch.float32).bits / self.quantizer.bits_per_value()
         self.wire_density = min(1.0, _check_density(density) * scale)
         """Fraction of the positions averaged per step (staggered) at the wire dtype's size."""
         self.period = max(1, round(1.0 / self.wire_density))
@@ -356,10 +365,13 @@ class LocalAdamS(ReplicatedAdamS):
             bias_correction,
             group,
             wd_min_ndim=wd_min_ndim,
-            config=f"LocalAdamS|{schedule}|{wire_dtype}|{normalizer}" + ("|spread" if window_order == "spread" else ""),
+            config=f"LocalAdamS|{schedule}|{wire_dtype}|{normalizer}"
+            + ("|spread" if window_order == "spread" else "")
+            + ("" if wire_bits is None else f"|int{wire_bits}"),
         )
         b = self._bucket
         self.k = k_for(b.numel, b.world_size, self.wire_density)
+        self._residual = b.new_flat() if self.quantizer is not None else None
         self._s = self._bucket.new_flat() if normalizer == "debiased" else None
         self._anchor: Tensor | None = None
         self._delta: Tensor | None = None
@@ -446,6 +458,14 @@ class LocalAdamS(ReplicatedAdamS):
                 sparse_all_reduce(self._comm, flat[:n], self.window(t), "avg", verify_mask=False)
             return
         anchor, delta = self._anchor, self._delta
+        if self.schedule == "periodic" and self.quantizer is not None and self._residual is not None:
+            change = flat - anchor
+            error = quantized_all_reduce(
+                self._comm, change, self.quantizer, residual=self._bucket.own_slice(self._residual)
+            )
+            anchor.add_(change)
+            torch.add(anchor, error, out=flat)
+            return
         if self.schedule == "periodic":
             torch.sub(flat, anchor, out=delta)
             self._comm.all_reduce(delta, ReduceOp.AVG)
@@ -454,6 +474,15 @@ class LocalAdamS(ReplicatedAdamS):
             return
         mask = self.window(t)
         pos = mask.global_indices(flat.device)
+        if self.quantizer is not None and self._residual is not None:
+            change = flat[pos] - anchor[pos]
+            own, local = self._bucket.own_slice(self._residual), mask.indices[0]
+            residual = own[local]
+            error = quantized_all_reduce(self._comm, change, self.quantizer, residual=residual)
+            own[local] = residual
+            anchor[pos] += change
+            flat[pos] = anchor[pos] + error
+            return
         delta[pos] = (flat[pos] - anchor[pos]).to(delta.dtype)
         sparse_all_reduce(self._comm, delta[:n], mask, "avg", verify_mask=False)
         anchor[pos] += delta[pos]
@@ -463,7 +492,14 @@ class LocalAdamS(ReplicatedAdamS):
         out = {**super()._full_state(), **self._extra_moments()}
         if self._anchor is not None:
             out["anchor"] = self._anchor
+        if self._residual is not None:
+            out["wire_residual"] = self._residual
         return out
+
+    @property
+    def anchor(self) -> Tensor | None:
+        """The last average of every position, the same on every rank (padded flat fp32); ``None``: float32 values."""
+        return self._anchor
 
     @torch.no_grad()
     def average_params(self) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 from optim.benchmarks.output import write_bench_json
 from optim.local import LOCAL_SCHEDULES, NORMALIZERS, WINDOW_ORDERS
 from optim.scape import MASK_SCORES, UNSELECTED_POLICIES
-from optim.train_job.config import TrainConfig
+from optim.train_job.config import LOCAL_WIRES, TrainConfig
 from optim.train_job.tasks import ARCHS, CORPORA, TASKS
 
 __all__ = ["add_model_options", "add_scape_options", "densities_arg", "model_settings", "scape_settings"]
@@ -66,9 +66,10 @@ def add_scape_options(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     )
     p.add_argument(
         "--local-wire",
-        choices=("float32", "bfloat16"),
+        choices=LOCAL_WIRES,
         default=d.local_wire,
-        help="LocalAdamS: average float32 values, or bfloat16 changes since the last average (twice the positions)",
+        help="LocalAdamS: average float32 values, or the changes since the last average in bfloat16 "
+        "(twice the positions) or in intB codes with error feedback (about 32/(B+0.25) times the positions)",
     )
     p.add_argument(
         "--local-normalizer",

@@ -15,7 +15,7 @@ from optim.train_job.data import DEFAULT_MAX_BYTES
 from optim.train_job.model import GPTConfig
 from optim.train_job.tasks import TaskSpec
 
-__all__ = ["OPTIMIZERS", "SPARSE_OPTIMIZERS", "TrainConfig", "build_optimizer", "lr_at"]
+__all__ = ["LOCAL_WIRES", "OPTIMIZERS", "SPARSE_OPTIMIZERS", "TrainConfig", "build_optimizer", "lr_at"]
 
 OPTIMIZERS = ("adamw", "adams", "scape", "local-adams", "topk-adams", "allreduce-adamw")
 """Choices of ``TrainConfig.optimizer``: ShardedAdamW, ShardedAdamS, SCAPE, LocalAdamS,
@@ -23,6 +23,10 @@ TopKAdamS, and the original bucket all-reduce + :class:`torch.optim.AdamW`."""
 
 SPARSE_OPTIMIZERS = ("scape", "local-adams", "topk-adams")
 """The choices that take ``density`` and ``sparse_warmup_steps``."""
+
+LOCAL_WIRES = ("float32", "bfloat16", "int8", "int4", "int2", "int1")
+"""Choices of ``TrainConfig.local_wire``: LocalAdamS's float32 values, bfloat16 changes, or changes
+in ``intB`` codes (``wire_bits=B``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,7 +48,7 @@ class TrainConfig:
     mask_delay: int = 1  # SCAPE: mask made after step t is used at step t + 1 + mask_delay.
     sparse_warmup_steps: int = 10  # SCAPE, LocalAdamS, TopKAdamS: dense steps before sparsity starts.
     local_schedule: str = "staggered"  # LocalAdamS: staggered | periodic averaging.
-    local_wire: str = "bfloat16"  # LocalAdamS: bfloat16 changes since the last average | float32 values.
+    local_wire: str = "bfloat16"  # LocalAdamS: one of LOCAL_WIRES (float32 values, bfloat16 or intB changes).
     local_normalizer: str = "debiased"  # LocalAdamS: debiased | local (see optim.LocalAdamS).
     local_window_order: str = "contiguous"  # LocalAdamS: contiguous | spread staggered window.
     unselected: str = "decay_m"  # SCAPE: policy of unselected coordinates (freeze | decay_m).
@@ -87,8 +91,8 @@ class TrainConfig:
         for name in ("mask_delay", "sparse_warmup_steps", "refresh_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.local_wire not in ("float32", "bfloat16"):
-            raise ValueError(f"local_wire must be 'float32' or 'bfloat16', got {self.local_wire!r}")
+        if self.local_wire not in LOCAL_WIRES:
+            raise ValueError(f"local_wire must be one of {LOCAL_WIRES}, got {self.local_wire!r}")
         if self.local_normalizer not in NORMALIZERS:
             raise ValueError(f"local_normalizer must be one of {NORMALIZERS}, got {self.local_normalizer!r}")
         if self.local_window_order not in WINDOW_ORDERS:
@@ -158,7 +162,8 @@ class TrainConfig:
                 "density": self.density,
                 "schedule": self.local_schedule,
                 "warmup_steps": self.sparse_warmup_steps,
-                "wire_dtype": self.local_wire,
+                "wire_dtype": "bfloat16" if self.local_wire.startswith("int") else self.local_wire,
+                "wire_bits": int(self.local_wire[3:]) if self.local_wire.startswith("int") else None,
                 "normalizer": self.local_normalizer,
                 "window_order": self.local_window_order,
             }

@@ -18,6 +18,7 @@ from bindings.stats import ring_bytes
 from sparsecomm.mask import ShardedMask, shard_size_for, topk_piece
 from sparsecomm.schedule import MaskSchedule
 from tests.common.bad_input_cases import _expect
+from tests.common.quantized_cases import QUANTIZED_CASES
 
 DENSITIES = (1.0, 0.5, 0.1, 0.01, 0.001)
 SIZES = (1, 7, 1001, 10007)
@@ -262,6 +263,7 @@ SPARSE_CASES: dict[str, Callable[[int, int], int]] = {
     "byte_accounting": case_byte_accounting,
     "mask_provenance": case_mask_provenance,
     "bad_input": case_sparse_bad_input,
+    **QUANTIZED_CASES,
 }
 
 

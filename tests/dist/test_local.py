@@ -54,6 +54,8 @@ def _make(kind: str, params: object, density: float) -> torch.optim.Optimizer:
         return LocalAdamS(
             params, schedule="staggered", wire_dtype=torch.float32, normalizer="local", window_order="spread", **kw
         )
+    if kind.endswith("-int4"):
+        return LocalAdamS(params, schedule=kind[:-5], wire_bits=4, normalizer="local", **kw)
     if kind.endswith("-bf16"):
         return LocalAdamS(params, schedule=kind[:-5], wire_dtype=torch.bfloat16, normalizer="local", **kw)
     return LocalAdamS(params, schedule=kind, wire_dtype=torch.float32, normalizer="local", **kw)
@@ -63,7 +65,7 @@ def _rank_run(rank: int, ws: int, kind: str, density: float) -> dict:
     model = _model()
     opt = _make(kind, model.parameters(), density)
     stats = opt.communicator.stats
-    flats, windows, sent = [], [], []
+    flats, windows, sent, anchors = [], [], [], []
     for t in range(STEPS):
         before = stats.as_dict()
         opt.zero_grad()
@@ -72,6 +74,7 @@ def _rank_run(rank: int, ws: int, kind: str, density: float) -> dict:
         after = stats.as_dict()
         sent.append({op: after[op]["bytes_sent"] - before.get(op, {"bytes_sent": 0})["bytes_sent"] for op in after})
         flats.append(_flat(model).tolist())
+        anchors.append(None if getattr(opt, "anchor", None) is None else opt.anchor[: opt.bucket.numel].tolist())
         if kind.startswith("staggered") and t >= WARM:
             windows.append(opt.window(t).global_indices().tolist())
     avg = None
@@ -85,6 +88,7 @@ def _rank_run(rank: int, ws: int, kind: str, density: float) -> dict:
         cover = [opt.window(t).piece(0).tolist() for t in range(WARM, WARM + span)]
     return {
         "flats": flats,
+        "anchors": anchors,
         "windows": windows,
         "cover": cover,
         "sent": sent,
@@ -263,7 +267,7 @@ def _rank_resume(rank: int, ws: int, kind: str, via: str) -> dict:
     return {"cont": cont, "again": again}
 
 
-@pytest.mark.parametrize("kind", ["staggered", "staggered-bf16", "default", "topk"])
+@pytest.mark.parametrize("kind", ["staggered", "staggered-bf16", "staggered-int4", "default", "topk"])
 @pytest.mark.parametrize("via", ["snapshot", "state_dict"])
 def test_resume_is_bitwise(kind: str, via: str) -> None:
     res = run_ranks(_rank_resume, 2, kind, via, timeout=120, op_timeout=60)
@@ -282,6 +286,8 @@ def _rank_bad(rank: int, ws: int) -> list[str]:
         lambda: LocalAdamS(m.parameters(), schedule="ring"),
         lambda: LocalAdamS(m.parameters(), warmup_steps=-1),
         lambda: LocalAdamS(m.parameters(), window_order="random"),
+        lambda: LocalAdamS(m.parameters(), wire_bits=3),
+        lambda: LocalAdamS(m.parameters(), wire_bits=4, wire_dtype=torch.float32),
         lambda: TopKAdamS(m.parameters(), density=True),
         lambda: LocalAdamS(m.parameters(), density=0.1 if rank == 0 else 0.2),  # differs between ranks
     ):
@@ -297,8 +303,8 @@ def test_bad_arguments_raise_the_same_everywhere() -> None:
     res = run_ranks(_rank_bad, 2, timeout=60, op_timeout=30)
     for msgs in res:
         assert all(m != "ok" for m in msgs), msgs
-    assert res[0][:6] == res[1][:6]
-    assert "differ between ranks" in res[0][6] and "differ between ranks" in res[1][6]
+    assert res[0][:8] == res[1][:8]
+    assert "differ between ranks" in res[0][8] and "differ between ranks" in res[1][8]
 
 
 @pytest.mark.parametrize("kind", ["staggered-bf16", "periodic-bf16"])
@@ -327,6 +333,43 @@ def test_bfloat16_wire_averages_twice_as_much_for_the_same_bytes(kind: str) -> N
             assert res[0]["sent"][t].get("all_reduce", 0) == (
                 2 * (ws - 1) * math.ceil(numel / ws) * 2 if averaged else 0
             )
+
+
+@pytest.mark.parametrize("kind", ["staggered-int4", "periodic-int4"])
+def test_int4_wire_averages_more_positions_and_keeps_what_it_drops(kind: str) -> None:
+    """4-bit changes with error feedback: 32 / 4.25 times the float32 window; the anchor is the same everywhere."""
+    from sparsecomm.quantized import Quantizer
+
+    ws, density = 2, 0.05
+    res = run_ranks(_rank_run, ws, kind, density, timeout=120, op_timeout=60)
+    k, shard, numel = res[0]["k"], res[0]["shard"], res[0]["numel"]
+    wire_density = density * 32 / 4.25
+    assert k == math.ceil(wire_density * shard)
+    schedule = kind[:-5]
+    period = round(1 / wire_density)  # 3
+    ref = _reference_local(ws, schedule, wire_density, k, shard, res[0]["windows"])
+    code_bytes = Quantizer(bits=4).encoded_bytes
+    for t in range(STEPS):
+        got = [torch.tensor(r["flats"][t]) for r in res]
+        anchors = [torch.tensor(r["anchors"][t]) for r in res]
+        assert torch.equal(anchors[0], anchors[1]), t  # every rank holds the same last average
+        for r in range(ws):
+            err = (got[r] - ref[t][r]).abs()
+            # each rank keeps what the codes dropped, so it trails the exact average by a fraction of one step (lr
+            # 0.05); the collective itself is checked bit for bit in tests/common/quantized_cases.py
+            assert err.mean() < 0.01 and err.max() < 0.05, (t, r, err.mean(), err.max())
+        if t < WARM:
+            continue
+        sent = res[0]["sent"][t]
+        if schedule == "staggered":
+            pos = torch.tensor([i for i in res[0]["windows"][t - WARM] if i < numel])
+            for r in range(ws):  # a replica is the anchor plus its own encoding error at the averaged positions
+                assert (got[r][pos] - anchors[r][pos]).abs().max() < 0.02, (t, r)
+            assert {op for op, v in sent.items() if v} == {"quantized_all_reduce"}
+            assert sent["quantized_all_reduce"] == 2 * (ws - 1) * code_bytes(k)
+        else:
+            averaged = (t + 1 - WARM) % period == 0
+            assert sent.get("quantized_all_reduce", 0) == (2 * (ws - 1) * code_bytes(shard) if averaged else 0), t
 
 
 def _rank_written(rank: int, ws: int) -> dict:
