@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from optim.adams import AdamS, adams_step_, adams_step_foreach_, bias_correction_factor, step_bound
-from optim.local import LocalAdamS, TopKAdamS
+from optim.local import LocalAdamS
 from optim.scape import SCAPE
 from optim.sharded import ShardedAdamS, ShardedAdamW
+from optim.topk import TopKAdamS
 
 __all__ = [
     "AdamS",

@@ -1,4 +1,4 @@
-"""AdamS with a full replicated state on every rank: local steps (LocalAdamS) and top-k with error feedback.
+"""AdamS with a full replicated state on every rank: local steps (LocalAdamS) and the base of top-k (TopKAdamS).
 
 SCAPE (:mod:`optim.scape`) moves a coordinate only at the steps whose mask
 selects it; at density d a coordinate moves about d times as far as under
@@ -20,6 +20,10 @@ dense AdamS, and the loss gap grows with training (``benchmarks/README.md``,
     * ``schedule="periodic"``: every ``round(1 / d)`` steps, one dense all-reduce
       of the parameters (local SGD / DiLoCo-style averaging, outer step 1).
 
+    With ``wire_bits`` the window carries low-bit codes of the changes instead
+    of bfloat16 values (:mod:`sparsecomm.quantized`, error feedback on both
+    sides), which covers up to 16 times the positions per step.
+
     The first ``warmup_steps`` steps average the gradients instead (one dense
     all-reduce each), so every rank starts the local phase from the same,
     well-conditioned state. By default the window carries bfloat16 changes
@@ -33,7 +37,7 @@ dense AdamS, and the loss gap grows with training (``benchmarks/README.md``,
     save the model inside :meth:`LocalAdamS.averaged`, or call
     :meth:`LocalAdamS.average_params` once training is over.
 
-:class:`TopKAdamS` (the classic baseline of the convergence suite)
+:class:`optim.topk.TopKAdamS` (the suite's classic baseline, on this module's :class:`ReplicatedAdamS`)
     Every rank adds its gradient to a local residual, sends its ``k`` largest
     entries with their int32 indices (one all-gather of values, one of
     indices), keeps the rest, and all ranks apply the same AdamS step to the
@@ -68,7 +72,7 @@ from optim.sharded import ShardedAdamS, take_written
 from optim.window_order import WINDOW_ORDERS, spread_positions
 from sparsecomm.collectives import sparse_all_reduce
 from sparsecomm.mask import ShardedMask, k_for
-from sparsecomm.quantized import Quantizer, quantized_all_reduce
+from sparsecomm.quantized import QUANT_BITS, Quantizer, quantized_all_reduce
 
 __all__ = [
     "LOCAL_SCHEDULES",
@@ -77,7 +81,7 @@ __all__ = [
     "WIRE_DTYPES",
     "LocalAdamS",
     "ReplicatedAdamS",
-    "TopKAdamS",
+    "auto_wire_bits",
 ]
 
 logger = logging.getLogger(__name__)
@@ -93,6 +97,22 @@ def _check_density(density: object) -> float:
     if not 0.0 < float(density) <= 1.0:
         raise ValueError(f"Invalid density: {density!r} (must be in (0, 1])")
     return float(density)
+
+
+def auto_wire_bits(density: float) -> int:
+    """LocalAdamS's code width at ``density``: the widest code whose window covers half of every shard per step.
+
+    The staggered window of ``b``-bit codes covers ``32 * density / (b + 0.25)``
+    of the positions per step. Where no code reaches half of them (density
+    below 0.035), 1 bit, the code that covers the most. In the convergence
+    suite the replicas' drift between two averages of a position cost more
+    than the codes' coarseness until positions were averaged about every
+    other step (``benchmarks/README.md``).
+    """
+    for bits in sorted(QUANT_BITS, reverse=True):
+        if 32.0 * density / Quantizer(bits=bits).bits_per_value() >= 0.5:
+            return bits
+    return min(QUANT_BITS)
 
 
 def _check_steps(name: str, value: object) -> int:
@@ -288,6 +308,18 @@ class LocalAdamS(ReplicatedAdamS):
             same on every rank. ``torch.float32`` averages the parameter values
             themselves (no anchor). The default is the better of the two in
             the worst case of the convergence suite (``benchmarks/README.md``).
+        wire_bits: ``"auto"`` (default): :func:`auto_wire_bits` of the density
+            (4 bits at 0.1, 1 bit at 0.01), or float32 values when
+            ``wire_dtype`` is float32. 1, 2, 4 or 8: the changes since the last average travel as
+            ``wire_bits``-bit codes with a bfloat16 scale per 64 values
+            (:class:`sparsecomm.quantized.Quantizer`), averaged by each shard's
+            owner (:func:`sparsecomm.quantized.quantized_all_reduce`), so a step
+            averages ``32 / (wire_bits + 0.25)`` times the positions of a float32
+            window for the same bytes. Nothing is lost to the codes: each rank
+            keeps what its encoding dropped in its own replica (it goes out with
+            the position's next average), and each owner what the encoding of
+            the average dropped (one more fp32 vector, ``wire_residual`` in
+            snapshots). ``None``: ``wire_dtype`` values (bfloat16 changes).
         normalizer: ``"debiased"`` (default): in the local phase, AdamS's
             normalizer is built as dense AdamS's would be from the averaged
             gradient -- the noise of this rank's gradient above ``1/world_size``
@@ -324,7 +356,7 @@ class LocalAdamS(ReplicatedAdamS):
         group: Any = None,
         *,
         wire_dtype: torch.dtype = torch.bfloat16,
-        wire_bits: int | None = None,
+        wire_bits: int | str | None = "auto",
         normalizer: str = "debiased",
         window_order: str = "contiguous",
         wd_min_ndim: int = 2,
@@ -344,6 +376,12 @@ class LocalAdamS(ReplicatedAdamS):
         self.quantizer: Quantizer | None = None
         """The encoding of the changes when ``wire_bits`` is set."""
         scale = float(torch.finfo(torch.float32).bits // torch.finfo(wire_dtype).bits)
+        if wire_bits == "auto":
+            wire_bits = None if wire_dtype == torch.float32 else auto_wire_bits(_check_density(density))
+        if isinstance(wire_bits, str):
+            raise ValueError(f"Invalid wire_bits: {wire_bits!r} (must be 'auto', None or one of {QUANT_BITS})")
+        self.wire_bits = wire_bits
+        """The code width of the changes (``None``: ``wire_dtype`` values)."""
         if wire_bits is not None:
             if wire_dtype == torch.float32:
                 raise ValueError("wire_bits encodes the changes since the last average: use wire_dtype=torch.bfloat16")
@@ -531,73 +569,3 @@ class LocalAdamS(ReplicatedAdamS):
             self._flat.copy_(own)
             self._bucket.write_params(self._flat)
             self._master.copy_(self._bucket.own_slice(self._flat))
-
-
-class TopKAdamS(ReplicatedAdamS):
-    """AdamS on the average of every rank's top-k gradient entries, with error feedback (a baseline).
-
-    Arguments as :class:`LocalAdamS` without ``schedule``. ``density`` sets
-    ``k = ceil(density * shard_size)`` entries per rank per step, so values and
-    indices together put SCAPE's value bytes on the wire at the same density.
-
-    Raises:
-        ValueError: Bad arguments (before any communication, the same on every rank).
-    """
-
-    def __init__(
-        self,
-        params: Iterable[Tensor] | Iterable[dict[str, Any]],
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.95),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        density: float = 0.01,
-        warmup_steps: int = 10,
-        max_grad_norm: float = 0.0,
-        bias_correction: bool = True,
-        group: Any = None,
-        *,
-        wd_min_ndim: int = 2,
-    ) -> None:
-        super().__init__(
-            params,
-            lr,
-            betas,
-            eps,
-            weight_decay,
-            density,
-            warmup_steps,
-            max_grad_norm,
-            bias_correction,
-            group,
-            wd_min_ndim=wd_min_ndim,
-            config="TopKAdamS",
-        )
-        self._residual = self._bucket.new_flat()
-        self._sum = self._bucket.new_flat()
-
-    @property
-    def residual(self) -> Tensor:
-        """The gradient this rank has not sent yet (padded flat fp32)."""
-        return self._residual
-
-    def _sparse_grad(self, t: int, g: Tensor) -> Tensor:
-        b, comm, e = self._bucket, self._comm, self._residual
-        n, ws, k = b.numel, b.world_size, min(self.k, b.numel)
-        e.add_(g)
-        idx = torch.topk(e[:n].abs(), k, sorted=False).indices
-        vals = e[idx]
-        e[idx] = 0.0
-        all_vals = torch.empty(ws * k, dtype=vals.dtype, device=vals.device)
-        all_idx = torch.empty(ws * k, dtype=torch.int32, device=vals.device)
-        with comm.stats.scope("topk"):
-            comm.all_gather(all_vals, vals)
-            comm.all_gather(all_idx, idx.to(torch.int32))
-        out = self._sum
-        out.zero_()
-        out.index_add_(0, all_idx.long(), all_vals)
-        out.div_(ws)
-        return out
-
-    def _full_state(self) -> dict[str, Tensor]:
-        return {**super()._full_state(), "residual": self._residual}

@@ -50,25 +50,55 @@ TARGETS = {0.1: 1.02, 0.01: 1.05}
 OnRun = Callable[[dict[str, Any]], None]
 
 
-METHODS = ("scape", "local", "local-spread", "local-plain", "local-f32", "periodic", "topk")
+METHODS = (
+    "scape",
+    "local",
+    "local-bf16",
+    "local-int8",
+    "local-int4",
+    "local-int2",
+    "local-int1",
+    "local-spread",
+    "local-plain",
+    "local-f32",
+    "periodic",
+    "topk",
+)
 """Sparse methods a convergence run can compare, each at every density: SCAPE; LocalAdamS with its
-defaults (``local``: staggered window of bfloat16 changes, debiased normalizer), the same with
-the window spread over every tensor (``local-spread``), with plain
-per-rank AdamS (``local-plain``), with float32 values and plain AdamS (``local-f32``), with a
-periodic dense float32 average and plain AdamS (``periodic``); TopKAdamS (top-k + error feedback)."""
+defaults (``local``: staggered window of changes in the codes of :func:`optim.local.auto_wire_bits`,
+debiased normalizer), with ``B``-bit codes at every density (``local-intB``), with bfloat16 changes
+(``local-bf16``, the defaults before the codes), the defaults with the window spread over every
+tensor (``local-spread``), bfloat16 changes with plain per-rank AdamS (``local-plain``); float32
+values and plain AdamS (``local-f32``); a periodic dense float32 average and plain AdamS
+(``periodic``); TopKAdamS (top-k + error feedback)."""
 
 _METHOD_OVERRIDES: dict[str, dict[str, Any]] = {
     "scape": {"optimizer": "scape"},
     "local": {
         "optimizer": "local-adams",
         "local_schedule": "staggered",
+        "local_wire": "auto",
+        "local_normalizer": "debiased",
+    },
+    "local-bf16": {
+        "optimizer": "local-adams",
+        "local_schedule": "staggered",
         "local_wire": "bfloat16",
         "local_normalizer": "debiased",
+    },
+    **{
+        f"local-int{bits}": {
+            "optimizer": "local-adams",
+            "local_schedule": "staggered",
+            "local_wire": f"int{bits}",
+            "local_normalizer": "debiased",
+        }
+        for bits in (8, 4, 2, 1)
     },
     "local-spread": {
         "optimizer": "local-adams",
         "local_schedule": "staggered",
-        "local_wire": "bfloat16",
+        "local_wire": "auto",
         "local_normalizer": "debiased",
         "local_window_order": "spread",
     },

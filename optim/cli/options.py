@@ -68,8 +68,9 @@ def add_scape_options(p: argparse.ArgumentParser, d: TrainConfig) -> None:
         "--local-wire",
         choices=LOCAL_WIRES,
         default=d.local_wire,
-        help="LocalAdamS: average float32 values, or the changes since the last average in bfloat16 "
-        "(twice the positions) or in intB codes with error feedback (about 32/(B+0.25) times the positions)",
+        help="LocalAdamS: average the changes since the last average in the codes optim.local.auto_wire_bits "
+        "picks for the density (auto), float32 values, bfloat16 changes (twice the positions), or intB codes "
+        "with error feedback (32/(B+0.25) times the positions)",
     )
     p.add_argument(
         "--local-normalizer",

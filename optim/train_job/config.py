@@ -8,9 +8,10 @@ from typing import Any
 
 import torch
 
-from optim.local import LOCAL_SCHEDULES, NORMALIZERS, WINDOW_ORDERS, LocalAdamS, TopKAdamS
+from optim.local import LOCAL_SCHEDULES, NORMALIZERS, WINDOW_ORDERS, LocalAdamS
 from optim.scape import MASK_SCORES, SCAPE, UNSELECTED_POLICIES
 from optim.sharded import ShardedAdamS, ShardedAdamW
+from optim.topk import TopKAdamS
 from optim.train_job.data import DEFAULT_MAX_BYTES
 from optim.train_job.model import GPTConfig
 from optim.train_job.tasks import TaskSpec
@@ -24,9 +25,17 @@ TopKAdamS, and the original bucket all-reduce + :class:`torch.optim.AdamW`."""
 SPARSE_OPTIMIZERS = ("scape", "local-adams", "topk-adams")
 """The choices that take ``density`` and ``sparse_warmup_steps``."""
 
-LOCAL_WIRES = ("float32", "bfloat16", "int8", "int4", "int2", "int1")
-"""Choices of ``TrainConfig.local_wire``: LocalAdamS's float32 values, bfloat16 changes, or changes
-in ``intB`` codes (``wire_bits=B``)."""
+LOCAL_WIRES = ("auto", "float32", "bfloat16", "int8", "int4", "int2", "int1")
+"""Choices of ``TrainConfig.local_wire``: LocalAdamS's default (``wire_bits="auto"``), float32 values,
+bfloat16 changes, or changes in ``intB`` codes (``wire_bits=B``)."""
+
+
+def _local_wire_kwargs(wire: str) -> dict[str, Any]:
+    if wire == "auto":
+        return {"wire_dtype": "bfloat16", "wire_bits": "auto"}
+    if wire.startswith("int"):
+        return {"wire_dtype": "bfloat16", "wire_bits": int(wire[3:])}
+    return {"wire_dtype": wire, "wire_bits": None}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,7 +57,7 @@ class TrainConfig:
     mask_delay: int = 1  # SCAPE: mask made after step t is used at step t + 1 + mask_delay.
     sparse_warmup_steps: int = 10  # SCAPE, LocalAdamS, TopKAdamS: dense steps before sparsity starts.
     local_schedule: str = "staggered"  # LocalAdamS: staggered | periodic averaging.
-    local_wire: str = "bfloat16"  # LocalAdamS: one of LOCAL_WIRES (float32 values, bfloat16 or intB changes).
+    local_wire: str = "auto"  # LocalAdamS: one of LOCAL_WIRES (auto codes, float32 values, bfloat16 or intB changes).
     local_normalizer: str = "debiased"  # LocalAdamS: debiased | local (see optim.LocalAdamS).
     local_window_order: str = "contiguous"  # LocalAdamS: contiguous | spread staggered window.
     unselected: str = "decay_m"  # SCAPE: policy of unselected coordinates (freeze | decay_m).
@@ -162,8 +171,7 @@ class TrainConfig:
                 "density": self.density,
                 "schedule": self.local_schedule,
                 "warmup_steps": self.sparse_warmup_steps,
-                "wire_dtype": "bfloat16" if self.local_wire.startswith("int") else self.local_wire,
-                "wire_bits": int(self.local_wire[3:]) if self.local_wire.startswith("int") else None,
+                **_local_wire_kwargs(self.local_wire),
                 "normalizer": self.local_normalizer,
                 "window_order": self.local_window_order,
             }

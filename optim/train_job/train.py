@@ -43,8 +43,9 @@ import sparsecomm.distributed as dist
 from bindings.launch import detect_launch
 from bindings.spawn import run_local
 from bindings.stats import op_delta
-from optim.local import LocalAdamS, TopKAdamS
+from optim.local import LocalAdamS
 from optim.scape import SCAPE
+from optim.topk import TopKAdamS
 from optim.train_job.config import TrainConfig, build_optimizer, lr_at
 from optim.train_job.tasks import Task, make_task
 
