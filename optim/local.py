@@ -20,15 +20,14 @@ dense AdamS, and the loss gap grows with training (``benchmarks/README.md``,
     * ``schedule="periodic"``: every ``round(1 / d)`` steps, one dense all-reduce
       of the parameters (local SGD / DiLoCo-style averaging, outer step 1).
 
-    With ``wire_bits`` the window carries low-bit codes of the changes instead
-    of bfloat16 values (:mod:`sparsecomm.quantized`, error feedback on both
-    sides), which covers up to 16 times the positions per step.
-
     The first ``warmup_steps`` steps average the gradients instead (one dense
     all-reduce each), so every rank starts the local phase from the same,
-    well-conditioned state. By default the window carries bfloat16 changes
-    since the last average (twice the positions for the same bytes), and each
-    rank's AdamS normalizer is *debiased*: a rank's gradient carries
+    well-conditioned state. By default the window carries each rank's change
+    since the last average in low-bit codes (:mod:`sparsecomm.quantized`:
+    :func:`auto_wire_bits` picks 4 bits at density 0.1 and 1 bit at 0.01, so
+    the window covers 7.5x and 25.6x the positions of float32 values for the
+    same bytes; what the codes drop is fed back, on each rank and at each
+    owner), and each rank's AdamS normalizer is *debiased*: a rank's gradient carries
     ``world_size`` times the noise of the averaged gradient dense AdamS
     normalizes by, which shrinks the steps of low-signal coordinates by up to
     ``sqrt(world_size)`` (slow escapes from loss plateaus); the excess noise,
@@ -44,7 +43,8 @@ dense AdamS, and the loss gap grows with training (``benchmarks/README.md``,
     average of everyone's entries. The replicas stay identical.
 
 Memory: a full fp32 first moment on every rank (LocalAdamS's defaults add
-a second-moment EMA, the anchor and a bfloat16 buffer; TopKAdamS a residual),
+a second-moment EMA, the anchor and the owner's residual of the codes, or a
+bfloat16 buffer in place of the residual with bfloat16 changes; TopKAdamS a residual),
 instead of SCAPE's ``1/world_size`` share. The parameter
 layout, gradient gathering and parameter following are those of
 :class:`optim.sharded.ShardedAdamS` (one flat fp32 buffer that the parameters
@@ -52,7 +52,8 @@ view). Snapshots and state dicts hold this rank's whole replica (parameters,
 first moment, residual); restoring one needs no communication.
 
 Wire bytes (stats scopes): ``all_reduce`` (warm-up gradients, periodic
-averages), ``sparse_all_reduce`` ops of the staggered window, ``topk`` (values
+averages), ``quantized_all_reduce`` (the window in codes, the default) or
+``sparse_all_reduce`` (bfloat16 or float32 values) of the staggered window, ``topk`` (values
 and indices), and ``average`` for :meth:`LocalAdamS.averaged` /
 :meth:`LocalAdamS.average_params`.
 """
@@ -415,7 +416,8 @@ class LocalAdamS(ReplicatedAdamS):
         self._delta: Tensor | None = None
         if wire_dtype != torch.float32:
             self._anchor = self._flat.clone()
-            self._delta = torch.zeros(b.padded_numel, dtype=wire_dtype, device=self._flat.device)
+            if self.quantizer is None:
+                self._delta = torch.zeros(b.padded_numel, dtype=wire_dtype, device=self._flat.device)
 
     def _extra_moments(self) -> dict[str, Tensor]:
         return {} if self._s is None else {"exp_avg_sq": self._s}
@@ -488,22 +490,17 @@ class LocalAdamS(ReplicatedAdamS):
     def _average(self, t: int) -> None:
         if not self.is_average_step(t) or self._bucket.world_size == 1:
             return  # one rank: nothing to average (and no bfloat16 rounding of its own changes)
-        n, flat = self._bucket.numel, self._flat
-        if self._anchor is None or self._delta is None:
+        n, flat, anchor = self._bucket.numel, self._flat, self._anchor
+        if self.quantizer is not None and self._residual is not None and anchor is not None:
+            self._average_codes(t, self.quantizer, self._residual, anchor)
+            return
+        if anchor is None or self._delta is None:
             if self.schedule == "periodic":
                 self._comm.all_reduce(flat, ReduceOp.AVG)
             else:
                 sparse_all_reduce(self._comm, flat[:n], self.window(t), "avg", verify_mask=False)
             return
-        anchor, delta = self._anchor, self._delta
-        if self.schedule == "periodic" and self.quantizer is not None and self._residual is not None:
-            change = flat - anchor
-            error = quantized_all_reduce(
-                self._comm, change, self.quantizer, residual=self._bucket.own_slice(self._residual)
-            )
-            anchor.add_(change)
-            torch.add(anchor, error, out=flat)
-            return
+        delta = self._delta
         if self.schedule == "periodic":
             torch.sub(flat, anchor, out=delta)
             self._comm.all_reduce(delta, ReduceOp.AVG)
@@ -512,19 +509,28 @@ class LocalAdamS(ReplicatedAdamS):
             return
         mask = self.window(t)
         pos = mask.global_indices(flat.device)
-        if self.quantizer is not None and self._residual is not None:
-            change = flat[pos] - anchor[pos]
-            own, local = self._bucket.own_slice(self._residual), mask.indices[0]
-            residual = own[local]
-            error = quantized_all_reduce(self._comm, change, self.quantizer, residual=residual)
-            own[local] = residual
-            anchor[pos] += change
-            flat[pos] = anchor[pos] + error
-            return
         delta[pos] = (flat[pos] - anchor[pos]).to(delta.dtype)
         sparse_all_reduce(self._comm, delta[:n], mask, "avg", verify_mask=False)
         anchor[pos] += delta[pos]
         flat[pos] = anchor[pos]
+
+    def _average_codes(self, t: int, quantizer: Quantizer, residual: Tensor, anchor: Tensor) -> None:
+        """Average the changes since the anchor in ``quantizer``'s codes; each rank keeps its own encoding error."""
+        flat, own = self._flat, self._bucket.own_slice(residual)
+        if self.schedule == "periodic":
+            change = flat - anchor
+            error = quantized_all_reduce(self._comm, change, quantizer, residual=own)
+            anchor.add_(change)
+            torch.add(anchor, error, out=flat)
+            return
+        mask = self.window(t)
+        pos, local = mask.global_indices(flat.device), mask.indices[0]
+        change = flat[pos] - anchor[pos]
+        mine = own[local]
+        error = quantized_all_reduce(self._comm, change, quantizer, residual=mine)
+        own[local] = mine
+        anchor[pos] += change
+        flat[pos] = anchor[pos] + error
 
     def _full_state(self) -> dict[str, Tensor]:
         out = {**super()._full_state(), **self._extra_moments()}
