@@ -330,13 +330,15 @@ class LocalAdamS(ReplicatedAdamS):
             ``world_size`` times the noise, so low-signal coordinates move up to
             ``sqrt(world_size)`` times less than under dense AdamS (slower off
             loss plateaus).
-        window_order: ``"contiguous"`` (default): the staggered window moves
-            through the shard in its own order, so it averages whole tensors in
-            turn. ``"spread"``: through the order of :func:`spread_positions`,
-            so every tensor has a share of its positions averaged at every step
-            (blocks of 16 positions; the same bytes). It measured better at
-            density 0.01 over two seeds and within the seeds' noise at 0.1
-            (``benchmarks/README.md``); not yet the default.
+        window_order: ``"contiguous"``: the staggered window moves through
+            the shard in its own order, so it averages whole tensors in turn.
+            ``"spread"``: through the order of :func:`spread_positions`, so
+            every tensor has a share of its positions averaged at every step
+            (blocks of 16 positions; the same bytes). ``"auto"`` (default):
+            spread where the window covers less than half of the shard per step
+            (1-bit codes at density 0.01), contiguous otherwise (4-bit codes at
+            0.1): in the convergence suite spread was better in the worst case
+            at 0.01 and worse at 0.1 (``benchmarks/README.md``).
 
     Raises:
         ValueError: Bad arguments (before any communication, the same on every rank).
@@ -359,7 +361,7 @@ class LocalAdamS(ReplicatedAdamS):
         wire_dtype: torch.dtype = torch.bfloat16,
         wire_bits: int | str | None = "auto",
         normalizer: str = "debiased",
-        window_order: str = "contiguous",
+        window_order: str = "auto",
         wd_min_ndim: int = 2,
     ) -> None:
         if schedule not in LOCAL_SCHEDULES:
@@ -369,7 +371,6 @@ class LocalAdamS(ReplicatedAdamS):
         self.normalizer = normalizer
         if window_order not in WINDOW_ORDERS:
             raise ValueError(f"Invalid window_order: {window_order!r} (must be one of {WINDOW_ORDERS})")
-        self.window_order = window_order
         if wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"Invalid wire_dtype: {wire_dtype!r} (must be one of {WIRE_DTYPES})")
         self.schedule = schedule
@@ -392,6 +393,10 @@ class LocalAdamS(ReplicatedAdamS):
         """Fraction of the positions averaged per step (staggered) at the wire dtype's size."""
         self.period = max(1, round(1.0 / self.wire_density))
         """Steps between two dense averages (``periodic``)."""
+        if window_order == "auto":
+            window_order = "spread" if self.wire_density < 0.5 else "contiguous"
+        self.window_order = window_order
+        """The staggered window's order, ``"contiguous"`` or ``"spread"`` (``"auto"`` resolved)."""
         super().__init__(
             params,
             lr,

@@ -9,8 +9,9 @@ from torch import Tensor
 
 __all__ = ["SPREAD_BLOCK", "WINDOW_ORDERS", "spread_positions"]
 
-WINDOW_ORDERS = ("contiguous", "spread")
-"""``contiguous``: a shard in its own order; ``spread``: in the order of :func:`spread_positions`."""
+WINDOW_ORDERS = ("auto", "contiguous", "spread")
+"""``contiguous``: a shard in its own order; ``spread``: in the order of :func:`spread_positions`;
+``auto``: spread where the window covers less than half of the shard per step, else contiguous."""
 
 SPREAD_BLOCK = 16
 """Positions that stay together in :func:`spread_positions` (one 64-byte cache line of fp32)."""

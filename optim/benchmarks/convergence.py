@@ -58,6 +58,7 @@ METHODS = (
     "local-int4",
     "local-int2",
     "local-int1",
+    "local-contiguous",
     "local-spread",
     "local-plain",
     "local-f32",
@@ -66,9 +67,10 @@ METHODS = (
 )
 """Sparse methods a convergence run can compare, each at every density: SCAPE; LocalAdamS with its
 defaults (``local``: staggered window of changes in the codes of :func:`optim.local.auto_wire_bits`,
-debiased normalizer), with ``B``-bit codes at every density (``local-intB``), with bfloat16 changes
-(``local-bf16``, the defaults before the codes), the defaults with the window spread over every
-tensor (``local-spread``), bfloat16 changes with plain per-rank AdamS (``local-plain``); float32
+``window_order="auto"``, debiased normalizer); in the window's own order (contiguous) unless the name
+says otherwise: with ``B``-bit codes at every density (``local-intB``), with bfloat16 changes
+(``local-bf16``, the defaults before the codes), the defaults with either order at every density
+(``local-contiguous``, ``local-spread``), bfloat16 changes with plain per-rank AdamS (``local-plain``); float32
 values and plain AdamS (``local-f32``); a periodic dense float32 average and plain AdamS
 (``periodic``); TopKAdamS (top-k + error feedback)."""
 
@@ -85,6 +87,7 @@ _METHOD_OVERRIDES: dict[str, dict[str, Any]] = {
         "local_schedule": "staggered",
         "local_wire": "bfloat16",
         "local_normalizer": "debiased",
+        "local_window_order": "contiguous",
     },
     **{
         f"local-int{bits}": {
@@ -92,8 +95,16 @@ _METHOD_OVERRIDES: dict[str, dict[str, Any]] = {
             "local_schedule": "staggered",
             "local_wire": f"int{bits}",
             "local_normalizer": "debiased",
+            "local_window_order": "contiguous",
         }
         for bits in (8, 4, 2, 1)
+    },
+    "local-contiguous": {
+        "optimizer": "local-adams",
+        "local_schedule": "staggered",
+        "local_wire": "auto",
+        "local_normalizer": "debiased",
+        "local_window_order": "contiguous",
     },
     "local-spread": {
         "optimizer": "local-adams",
@@ -107,12 +118,14 @@ _METHOD_OVERRIDES: dict[str, dict[str, Any]] = {
         "local_schedule": "staggered",
         "local_wire": "bfloat16",
         "local_normalizer": "local",
+        "local_window_order": "contiguous",
     },
     "local-f32": {
         "optimizer": "local-adams",
         "local_schedule": "staggered",
         "local_wire": "float32",
         "local_normalizer": "local",
+        "local_window_order": "contiguous",
     },
     "periodic": {
         "optimizer": "local-adams",

@@ -82,7 +82,8 @@ def add_scape_options(p: argparse.ArgumentParser, d: TrainConfig) -> None:
         "--local-window-order",
         choices=WINDOW_ORDERS,
         default=d.local_window_order,
-        help="LocalAdamS: the staggered window through the shard in order (contiguous) or spread over every tensor",
+        help="LocalAdamS: the staggered window through the shard in order (contiguous), spread over every tensor, "
+        "or spread where it covers less than half of the shard per step (auto)",
     )
     p.add_argument("--mask-delay", type=int, default=d.mask_delay, help="SCAPE: mask delay D")
     p.add_argument("--unselected", choices=UNSELECTED_POLICIES, default=d.unselected, help="SCAPE: unselected policy")

@@ -59,7 +59,7 @@ class TrainConfig:
     local_schedule: str = "staggered"  # LocalAdamS: staggered | periodic averaging.
     local_wire: str = "auto"  # LocalAdamS: one of LOCAL_WIRES (auto codes, float32 values, bfloat16 or intB changes).
     local_normalizer: str = "debiased"  # LocalAdamS: debiased | local (see optim.LocalAdamS).
-    local_window_order: str = "contiguous"  # LocalAdamS: contiguous | spread staggered window.
+    local_window_order: str = "auto"  # LocalAdamS: auto | contiguous | spread staggered window.
     unselected: str = "decay_m"  # SCAPE: policy of unselected coordinates (freeze | decay_m).
     error_feedback: bool = False  # SCAPE: keep the unsent gradient as a local residual.
     refresh_every: int = 0  # SCAPE: every this many steps a dense step (0: never).

@@ -55,7 +55,9 @@ def _make(kind: str, params: object, density: float) -> torch.optim.Optimizer:
             params, schedule="staggered", wire_dtype=torch.float32, normalizer="local", window_order="spread", **kw
         )
     if kind.endswith("-int4"):
-        return LocalAdamS(params, schedule=kind[:-5], wire_bits=4, normalizer="local", **kw)
+        return LocalAdamS(
+            params, schedule=kind[:-5], wire_bits=4, normalizer="local", window_order="contiguous", **kw
+        )
     if kind.endswith("-bf16"):
         return LocalAdamS(params, schedule=kind[:-5], wire_dtype=torch.bfloat16, wire_bits=None, normalizer="local", **kw)
     return LocalAdamS(params, schedule=kind, wire_dtype=torch.float32, normalizer="local", **kw)
