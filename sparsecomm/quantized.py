@@ -176,7 +176,8 @@ def quantized_all_reduce(
 
     Raises:
         TypeError, ValueError: Bad arguments (before any communication).
-        CommError: The transport failed or ran past the communicator's timeout.
+        CommError: The transport failed or ran past the communicator's timeout;
+            ``values`` and ``residual`` are then left as they were.
     """
     chunk = _check(comm, values, quantizer, residual)
     ws, rank = comm.world_size, comm.rank
@@ -204,10 +205,11 @@ def quantized_all_reduce(
         if residual is not None:
             avg += residual
         own, decoded = quantizer.encode(avg)
-        if residual is not None:
-            torch.sub(avg, decoded, out=residual)
         gathered = torch.empty(ws * nbytes, dtype=torch.uint8, device=values.device)
         comm.all_gather(gathered, own)
+    # written only once every transfer finished: a failed call leaves values and residual as they were
+    if residual is not None:
+        torch.sub(avg, decoded, out=residual)
     for r in range(ws):
         values[r * chunk : (r + 1) * chunk] = quantizer.decode(gathered[r * nbytes : (r + 1) * nbytes], chunk)
     return error
