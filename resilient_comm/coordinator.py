@@ -104,6 +104,7 @@ class Coordinator:
         self._refusals: Inbox | None = None
         self._suspected: set[int] = set()  # epochs with a suspicion not yet acted on
         self._stalled: set[str] = set()  # kinds of silence without quorum being waited out (logged once each)
+        self._patience_s = (self.config.heartbeat_timeout + self.config.stall_grace).total_seconds()
         self._saved: str | None = None  # the state last kept in the store (etcd only)
         self._refusal_count, self._shutdown = 0, False
 
@@ -127,9 +128,8 @@ class Coordinator:
         logger.info("coordinator for job %s on %s", cfg.job, self.address)
 
     def _inboxes(self) -> ControlStore:
-        store, cfg = self._store, self.config
+        store, patience = self._store, self._patience_s
         assert store is not None
-        patience = (cfg.heartbeat_timeout + cfg.stall_grace).total_seconds()
         self._registrations = Inbox(store, keys.MEMBERS_NEXT, lambda i: store.private(keys.member(i)), patience)
         self._suspicions = Inbox(store, keys.SUSPECT_NEXT, lambda i: store.private(keys.suspect(i)), patience)
         self._refusals = Inbox(store, keys.REFUSED_NEXT, keys.refused, patience, read=store.unverified)
@@ -343,6 +343,10 @@ class Coordinator:
             if not silent:
                 self._stalled.discard("heartbeats stopped")
             elif self._hold_off(set(silent), min(silent.values()), "heartbeats stopped"):
+                silent = {}
+            elif "heartbeats stopped" in self._stalled and max(silent.values()) <= self._patience_s:
+                self._stalled.discard("heartbeats stopped")  # a stall ended; the rest get one timeout from now
+                self._hb.update({i: (self._hb[i][0], now) for i in silent})
                 silent = {}
             for i, silent_s in silent.items():
                 self._mark_dead(i, "heartbeat", silent_s=round(silent_s, 3))
