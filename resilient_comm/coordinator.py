@@ -49,6 +49,7 @@ from resilient_comm.config import CoordinatorConfig
 from resilient_comm.errors import MembershipError
 from resilient_comm.events import EventLog
 from resilient_comm.evidence import Suspicion, refusal_fields
+from resilient_comm.heartbeats import Heartbeats
 from resilient_comm.inbox import Inbox
 from resilient_comm.plan import majority, plan_next_epoch
 from resilient_comm.standby import FencedError, Handover, Leadership
@@ -97,7 +98,7 @@ class Coordinator:
             self._members: dict[int, MemberInfo] = {}
             self._spares: list[int] = []
             self._view: View | None = None
-        self._hb: dict[int, tuple[int, float]] = {}
+        self._hb = Heartbeats(self.config.heartbeat_timeout.total_seconds())
         self._dead, self._left = set[int](), set[int]()  # members dead / gone cleanly
         self._registrations: Inbox | None = None
         self._suspicions: Inbox | None = None
@@ -331,22 +332,19 @@ class Coordinator:
             counts = store.multi_get([keys.heartbeat(i) for i in live])
             silent: dict[int, float] = {}
             for i, raw in zip(live, counts, strict=True):
-                last_count, last_time = self._hb[i]
-                count = int(raw) if raw is not None and raw.isdigit() and len(raw) < 20 else last_count
-                if count != last_count:
-                    self._hb[i] = (count, now)
-                elif now - last_time > self.config.heartbeat_timeout.total_seconds():
-                    if store.check([keys.left(i)]):
-                        self._member_left(i)
-                    else:
-                        silent[i] = now - last_time
+                if (quiet_s := self._hb.observe(i, raw, now)) is None:
+                    continue
+                if store.check([keys.left(i)]):
+                    self._member_left(i)
+                else:
+                    silent[i] = quiet_s
             if not silent:
                 self._stalled.discard("heartbeats stopped")
             elif self._hold_off(set(silent), min(silent.values()), "heartbeats stopped"):
                 silent = {}
             elif "heartbeats stopped" in self._stalled and max(silent.values()) <= self._patience_s:
                 self._stalled.discard("heartbeats stopped")  # a stall ended; the rest get one timeout from now
-                self._hb.update({i: (self._hb[i][0], now) for i in silent})
+                self._hb.restart(silent, now)
                 silent = {}
             for i, silent_s in silent.items():
                 self._mark_dead(i, "heartbeat", silent_s=round(silent_s, 3))
@@ -385,7 +383,7 @@ class Coordinator:
             return
         with self._lock:
             self._members[idx] = info
-            self._hb[idx] = (-1, now)
+            self._hb.register(idx, now)
             if info.role == "spare" or self._view is not None:
                 self._spares.append(idx)
         if announce:
@@ -462,14 +460,10 @@ class Coordinator:
         view = self.view
         if view is None:
             return False
-        now, cfg = time.monotonic(), self.config
-        quiet = cfg.heartbeat_timeout.total_seconds() / 2
-        gone = self._dead | silent
-        survivors = sum(1 for m in view.members if m not in gone and now - self._hb.get(m, (0, now))[1] < quiet)
-        if (
-            majority(survivors, view.world_size) is None
-            or silent_s > (cfg.heartbeat_timeout + cfg.stall_grace).total_seconds()
-        ):
+        now, cfg, gone = time.monotonic(), self.config, self._dead | silent
+        quiet = self._hb.timeout_s / 2
+        survivors = sum(1 for m in view.members if m not in gone and self._hb.age(m, now) < quiet)
+        if majority(survivors, view.world_size) is None or silent_s > self._patience_s:
             return False
         if what not in self._stalled:
             self._stalled.add(what)
