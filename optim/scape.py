@@ -201,10 +201,10 @@ class SCAPE(ShardedAdamS):
             self._residual.index_fill_(0, mask.global_indices(self._grad.device), 0.0)
         self._clip(g)
         idx = mask.piece(b.rank).to(self._master.device)
-        if self.unselected == "decay_m":
-            self._decay_unselected(idx)
         w = self._master[idx]
         state = {name: s[idx] for name, s in self._shard.items()}
+        if self.unselected == "decay_m":
+            self._decay_first_moment()  # the k selected values are overwritten with their update below
         self._update(w, state, g, t + 1, idx)
         self._master[idx] = w
         for name, s in self._shard.items():
@@ -213,13 +213,11 @@ class SCAPE(ShardedAdamS):
         sparse_all_gather(comm, w, mask, flat[:n], verify_mask=False)
         b.write_params(flat)
 
-    def _decay_unselected(self, idx: Tensor) -> None:
-        """m *= beta1 outside the mask: in place over the shard, the k selected values put back (one pass)."""
+    def _decay_first_moment(self) -> None:
+        """m *= beta1 over the whole shard, in place (one pass; the caller then writes the selected values)."""
         m = self._shard["exp_avg"]
-        kept = m[idx]
         for seg in self._bucket.segments:
             m[seg.lo : seg.hi].mul_(self.param_groups[seg.group]["betas"][0])
-        m[idx] = kept
 
     def _after(self, t: int) -> None:
         """Propose this rank's piece of the mask of step t + 1 + D from |m| of its shard."""

@@ -183,6 +183,20 @@ class ShardedMask:
         return cls(numel=numel, world_size=world_size, k=k, indices=torch.stack(rows))
 
     @classmethod
+    def _of_checked_rows(cls, rows: torch.Tensor, numel: int) -> ShardedMask:
+        """A mask over ``rows`` (contiguous int64 CPU ``[world_size, k]``), taken over without a copy.
+
+        For rows that a decoder has already checked (:func:`decode_piece`): the
+        checks and the copy of the public constructor are skipped.
+        """
+        mask = object.__new__(cls)
+        for name, value in (("numel", numel), ("world_size", rows.shape[0]), ("k", rows.shape[1])):
+            object.__setattr__(mask, name, value)
+        object.__setattr__(mask, "indices", rows)
+        object.__setattr__(mask, "_cache", {})
+        return mask
+
+    @classmethod
     def dense(cls, numel: int, world_size: int) -> ShardedMask:
         """Returns the mask of every position (``k = shard_size``, padding included)."""
         size = shard_size_for(numel, world_size)
@@ -514,9 +528,12 @@ def decode_piece(payload: torch.Tensor, shard_size: int, k: int, encoding: str) 
         values = _decode_varints(data, k, _varint_len(shard_size - 1))
         if float(values.sum(dtype=np.float64)) + k > 2.0 * shard_size:
             raise ValueError("malformed delta-varint payload: indices beyond shard_size")
-        idx = np.cumsum(values.astype(np.int64) + 1) - 1
+        idx = np.cumsum(values.astype(np.int64) + 1) - 1  # strictly increasing from >= 0 by construction
+        if idx[-1] >= shard_size:
+            raise ValueError(f"delta-varint payload: local indices must lie in [0, {shard_size})")
     result = torch.from_numpy(np.ascontiguousarray(idx, dtype=np.int64))
-    _check_sorted_unique(result, shard_size, f"{encoding} payload")
+    if encoding == "int32":  # a bitmap's and a delta-varint's indices are sorted and unique by construction
+        _check_sorted_unique(result, shard_size, f"{encoding} payload")
     return result
 
 

@@ -255,9 +255,11 @@ class MaskSchedule:
             self._decoding[target] = _Decoding(pending.made_at, self._thread().submit(self._decode, pending.gathered))
 
     def _decode(self, gathered: torch.Tensor) -> ShardedMask:
-        rows = gathered.view(self.world_size, self.piece_bytes)
-        pieces = [_from_wire(rows[r], self.shard_size, self.k, self.encoding) for r in range(self.world_size)]
-        mask = ShardedMask.from_pieces(pieces, self.numel, self.world_size)
+        wires = gathered.view(self.world_size, self.piece_bytes)
+        rows = torch.empty(self.world_size, self.k, dtype=torch.int64)
+        for r in range(self.world_size):
+            rows[r] = _from_wire(wires[r], self.shard_size, self.k, self.encoding)  # checked while decoded
+        mask = ShardedMask._of_checked_rows(rows, self.numel)
         mask.global_indices()  # build the index tensors once, now
         return mask
 
