@@ -217,6 +217,11 @@ class ReplicatedAdamS(ShardedAdamS):
     def _full_state(self) -> dict[str, Tensor]:
         return {"params": self._flat, "exp_avg": self._m}
 
+    @property
+    def replica_state(self) -> dict[str, Tensor]:
+        """The full-size state this rank keeps beside its replica (first moment, anchor, residuals), by name."""
+        return {name: t for name, t in self._full_state().items() if name != "params"}
+
     def _check_shard(self, what: str, sh: dict[str, Any]) -> None:
         super()._check_shard(what, sh)
         extra = sh.get("extra") or {}

@@ -1,4 +1,4 @@
-"""Optimizer step-time and memory benchmark: ShardedAdamW, ShardedAdamS and SCAPE.
+"""Optimizer step-time and memory benchmark: ShardedAdamW, ShardedAdamS, SCAPE and LocalAdamS.
 
 :func:`run_optimizer_bench` spawns ``nproc`` local gloo ranks
 (:func:`bindings.spawn.run_local`); every rank runs :func:`optimizer_bench_worker`,
@@ -11,6 +11,8 @@ initialisation on every rank) and, for each variant
 * ``scape@D/inline``: the same with ``background_proposal=False`` (the next
   mask piece built inside ``opt.step()``, not beside the next forward and
   backward; same selections bit for bit), when ``inline_rows`` is on,
+* ``local@D``: :class:`optim.LocalAdamS` at each density ``D`` with its
+  defaults (codes of ``auto_wire_bits(D)`` bits), when ``local_rows`` is on,
 
 builds the optimizer exactly as the training job does
 (:func:`optim.train_job.train.build_optimizer`: weight decay on matrices, global-norm clip),
@@ -25,7 +27,8 @@ Per variant and rank it measures the median step time and the median time inside
 ``all_reduce(MAX)`` after all variants), the bytes the communicator's stats
 counted over the timed steps (per step, split by op), and the optimizer state this
 rank holds: master shard, ``exp_avg`` (plus ``exp_avg_sq`` for AdamW, plus the
-error-feedback residual when on). Nothing here prints (``optim.cli.bench`` does).
+error-feedback residual when on; LocalAdamS: its full-size first moment, anchor
+and residual). Nothing here prints (``optim.cli.bench`` does).
 """
 
 from __future__ import annotations
@@ -77,6 +80,7 @@ class OptimizerBenchConfig:
     warmup: int = 3  # Untimed steps per optimizer (must cover SCAPE's dense warm-up and first mask).
     densities: tuple[float, ...] = (0.1, 0.01)  # SCAPE densities.
     inline_rows: bool = True  # Also time SCAPE with its mask piece built inside opt.step() (the old way).
+    local_rows: bool = True  # Also time LocalAdamS (its defaults) at each density.
     scape_warmup_steps: int = 1  # SCAPE: dense steps before sparsity starts.
     mask_delay: int = 1  # SCAPE: the mask made after step t is used at step t + 1 + mask_delay.
     lr: float = 1e-3  # Constant learning rate of every optimizer.
@@ -147,6 +151,8 @@ def bench_variants(config: OptimizerBenchConfig) -> list[tuple[str, str, float]]
         out.append((f"scape@{d:g}", "scape", float(d)))
         if config.inline_rows:
             out.append((f"scape@{d:g}/inline", "scape", float(d)))
+    if config.local_rows:
+        out.extend((f"local@{d:g}", "local-adams", float(d)) for d in config.densities)
     return out
 
 
@@ -164,6 +170,8 @@ def _state_bytes(opt: Any) -> dict[str, int]:
     residual = getattr(opt, "residual", None)
     if residual is not None:
         parts["residual"] = residual.numel() * residual.element_size()
+    for name, t in getattr(opt, "replica_state", {}).items():  # LocalAdamS: full-size state
+        parts[name] = t.numel() * t.element_size()
     return parts
 
 

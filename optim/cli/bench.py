@@ -413,7 +413,8 @@ def format_optimizer_table(bench: dict[str, Any]) -> str:
         "# time = median over timed steps, max over ranks; wire = bytes rank 0 sent per timed step; "
         "state = master shard + m (+ v) per rank, max over ranks; speedup = ShardedAdamS time / row time",
         "# bound: opt/fwdbwd = opt.step time / the same row's forward + backward (what a step that hides "
-        "under compute is measured against); /inline = SCAPE with its next mask piece built inside opt.step()",
+        "under compute is measured against); /inline = SCAPE with its next mask piece built inside opt.step(); "
+        "local = LocalAdamS with its defaults (state: full-size m, normalizer, anchor, code residual)",
         head,
     ]
     for r in bench["rows"]:
@@ -440,6 +441,7 @@ def _cmd_optimizer(args: argparse.Namespace) -> int:
             warmup=args.warmup,
             densities=args.densities,
             inline_rows=args.inline_rows,
+            local_rows=args.local_rows,
             scape_warmup_steps=args.scape_warmup_steps,
             mask_delay=args.mask_delay,
             seed=args.seed,
@@ -464,9 +466,9 @@ def _add_optimizer_parser(inner: Any) -> None:
     d = OptimizerBenchConfig()
     p = inner.add_parser(
         "optimizer",
-        help="step time, opt.step() time, state memory and wire bytes of ShardedAdamW, ShardedAdamS and SCAPE",
+        help="step time, opt.step() time, state memory and wire bytes of ShardedAdamW, ShardedAdamS, SCAPE, LocalAdamS",
         description="Times forward + backward + opt.step() of the training job's GPT with ShardedAdamW, "
-        "ShardedAdamS and SCAPE at each density on local gloo ranks, in one run; prints a table.",
+        "ShardedAdamS, SCAPE and LocalAdamS at each density on local gloo ranks, in one run; prints a table.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--nproc", type=int, default=d.nproc, help="local ranks")
@@ -488,6 +490,12 @@ def _add_optimizer_parser(inner: Any) -> None:
         action=argparse.BooleanOptionalAction,
         default=d.inline_rows,
         help="also time each SCAPE density with its next mask piece built inside opt.step()",
+    )
+    p.add_argument(
+        "--local-rows",
+        action=argparse.BooleanOptionalAction,
+        default=d.local_rows,
+        help="also time LocalAdamS (its defaults) at each density",
     )
     p.add_argument("--scape-warmup-steps", type=int, default=d.scape_warmup_steps, help="SCAPE: dense steps first")
     p.add_argument("--mask-delay", type=int, default=d.mask_delay, help="SCAPE: mask delay D")

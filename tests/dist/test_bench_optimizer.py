@@ -15,7 +15,17 @@ pytestmark = pytest.mark.dist
 TINY = OptimizerBenchConfig(
     nproc=2, d_model=32, n_layers=1, n_heads=2, context=16, batch=1, steps=3, warmup=2, job_timeout_s=60.0
 )
-NAMES = ["adamw", "adams", "scape@0.1", "scape@0.1/inline", "scape@0.01", "scape@0.01/inline"]
+NAMES = [
+    "adamw",
+    "adams",
+    "scape@0.1",
+    "scape@0.1/inline",
+    "scape@0.01",
+    "scape@0.01/inline",
+    "local@0.1",
+    "local@0.01",
+]
+SHARDED = NAMES[:6]
 
 
 def test_config_rejects_a_warmup_that_would_time_dense_scape_steps() -> None:
@@ -36,7 +46,8 @@ def test_optimizer_bench_structure_and_sanity() -> None:
     n = GPT(TINY.model_config()).num_parameters()
     shard = -(-n // 2)
     n_state = {"adamw": 3, "adams": 2, "scape@0.1": 2, "scape@0.01": 2, "scape@0.1/inline": 2, "scape@0.01/inline": 2}
-    for name, r in rows.items():
+    for name in SHARDED:
+        r = rows[name]
         assert r["num_parameters"] == n and r["param_bytes"] == 4 * n and r["shard_size"] == shard
         # Every rank holds exactly its shard of the master weights and of each state tensor.
         assert r["state_bytes_per_rank"] == [n_state[name] * 4 * shard] * 2
@@ -66,11 +77,29 @@ def test_optimizer_bench_structure_and_sanity() -> None:
     for d in ("0.1", "0.01"):  # where the mask piece is built moves no byte
         assert rows[f"scape@{d}/inline"]["wire_bytes_per_step_by_op"] == rows[f"scape@{d}"]["wire_bytes_per_step_by_op"]
 
+    # LocalAdamS: master shard plus full-size m, normalizer statistic, anchor and code residual;
+    # its codes move fewer bytes at 0.01.
+    padded = 2 * shard
+    for d in ("0.1", "0.01"):
+        r = rows[f"local@{d}"]
+        assert r["state_bytes_by_part"] == {
+            "master": 4 * shard,
+            "exp_avg": 4 * padded,
+            "exp_avg_sq": 4 * padded,
+            "anchor": 4 * padded,
+            "wire_residual": 4 * padded,
+        }
+        assert r["state_bytes_per_rank"] == [4 * shard + 16 * padded] * 2
+        assert {"quantized_all_reduce"} <= set(r["wire_bytes_per_step_by_op"])
+        assert 0 < r["wire_bytes_per_step"] < rows["adams"]["wire_bytes_per_step"]
+        assert r["step_ms"] > 0 and r["opt_step_ms"] <= r["step_ms"]
+    assert rows["local@0.01"]["wire_bytes_per_step"] < rows["local@0.1"]["wire_bytes_per_step"]
+
     assert rows["adams"]["speedup"] == pytest.approx(1.0)
     for r in rows.values():
         assert r["speedup"] == pytest.approx(rows["adams"]["step_ms"] / r["step_ms"])
     table = format_optimizer_table(bench).splitlines()
-    assert len(table) == 4 + len(NAMES) and table[-1].split()[0] == "scape@0.01/inline"
+    assert len(table) == 4 + len(NAMES) and table[-1].split()[0] == "local@0.01"
     assert OptimizerBenchConfig(inline_rows=False).densities and [
-        n for n, _, _ in bench_variants(OptimizerBenchConfig(inline_rows=False))
+        n for n, _, _ in bench_variants(OptimizerBenchConfig(inline_rows=False, local_rows=False))
     ] == ["adamw", "adams", "scape@0.1", "scape@0.01"]
