@@ -75,3 +75,61 @@ def test_decode_checks_its_bytes() -> None:
         q.decode(data[:-1], 10)
     with pytest.raises(ValueError):
         q.decode(data.to(torch.int8), 10)
+
+
+def _f32(v: float) -> torch.Tensor:
+    return torch.tensor(v, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("bits", QUANT_BITS)
+@pytest.mark.parametrize("n", [5, 64, 200])
+def test_bytes_and_decoded_values_match_a_per_value_reference(bits: int, n: int) -> None:
+    """Every code from its definition, one value at a time, given the block's scale (checked to ~bfloat16)."""
+    q = Quantizer(bits=bits)
+    x = _values(n, seed=3)
+    x[0], x[-1] = 0.0, -0.0
+    data, dec = q.encode(x)
+    blocks, per, mask, h = math.ceil(n / 64), 8 // bits, (1 << bits) - 1, (2**bits - 1) / 2
+    scales = data[: 2 * blocks].view(torch.bfloat16).float().tolist()
+    packed = data[2 * blocks :].tolist()
+    xs = x.tolist() + [0.0] * (blocks * 64 - n)
+    for b in range(blocks):
+        vals = xs[b * 64 : (b + 1) * 64]
+        if bits == 1:
+            want = sum(abs(v) for v in vals) / 64
+        elif bits == 2:
+            want = math.sqrt(sum(v * v for v in vals) / 64)
+        else:
+            want = max(abs(v) for v in vals) / h
+        assert scales[b] == pytest.approx(want, rel=2**-8)
+    tiny = torch.finfo(torch.float32).tiny
+    for i, v in enumerate(xs):
+        s = scales[i // 64]
+        if bits == 1:
+            code = int(v >= 0)
+            level = (_f32(code) * 2 - 1) * _f32(s)
+        else:
+            code = int(min(max(torch.round(_f32(v) / _f32(max(s, tiny)) + h).item(), 0), 2 * h))
+            level = (_f32(code) - h) * _f32(s)
+        assert (packed[i // per] >> ((i % per) * bits)) & mask == code, (i, v)
+        if i < n:
+            assert dec[i].view(torch.int32) == level.view(torch.int32), (i, v)
+
+
+@pytest.mark.parametrize("bits", QUANT_BITS)
+@pytest.mark.parametrize("n", [64, 1000])
+def test_encode_and_decode_into_given_buffers(bits: int, n: int) -> None:
+    q = Quantizer(bits=bits)
+    x = _values(n, seed=4)
+    data, dec = q.encode(x)
+    out, into = torch.empty(q.encoded_bytes(n), dtype=torch.uint8), torch.empty(n)
+    got, got_dec = q.encode(x, out=out, decoded=into)
+    assert got is out and got_dec is into and torch.equal(out, data) and torch.equal(into, dec)
+    back = torch.empty(n)
+    assert q.decode(data, n, out=back) is back and torch.equal(back, dec)
+    with pytest.raises(ValueError, match="out"):
+        q.encode(x, out=torch.empty(3, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="decoded"):
+        q.encode(x, decoded=torch.empty(n, dtype=torch.float64))
+    with pytest.raises(TypeError, match="out"):
+        q.decode(data, n, out=[0.0] * n)  # type: ignore[arg-type]
