@@ -70,7 +70,7 @@ from torch import Tensor
 
 from bindings import ReduceOp
 from optim.sharded import ShardedAdamS, take_written
-from optim.window_order import WINDOW_ORDERS, spread_positions
+from optim.window_order import WINDOW_ORDERS, window_positions, window_runs
 from sparsecomm.collectives import sparse_all_reduce
 from sparsecomm.mask import ShardedMask, k_for
 from sparsecomm.quantized import QUANT_BITS, Quantizer, quantized_all_reduce
@@ -476,13 +476,8 @@ class LocalAdamS(ReplicatedAdamS):
         in the order of :func:`spread_positions`.
         """
         b = self._bucket
-        size, k = b.shard_size, self.k
-        lo = ((t - self.warmup_steps) * k) % size
-        pos = torch.arange(lo, lo + k, dtype=torch.int64) % size
-        if self.window_order == "spread":
-            pos = spread_positions(pos, size)
-        pos = pos.sort().values
-        return ShardedMask(numel=b.numel, world_size=b.world_size, k=k, indices=pos.expand(b.world_size, k))
+        pos = window_positions(t - self.warmup_steps, self.k, b.shard_size, self.window_order)
+        return ShardedMask(numel=b.numel, world_size=b.world_size, k=self.k, indices=pos.expand(b.world_size, self.k))
 
     def is_average_step(self, t: int) -> bool:
         """Whether (part of) the parameters are averaged after step ``t``."""
@@ -533,8 +528,22 @@ class LocalAdamS(ReplicatedAdamS):
             anchor.add_(change)
             torch.add(anchor, error, out=flat)
             return
-        mask = self.window(t)
-        pos, local = mask.global_indices(flat.device), mask.indices[0]
+        b, j = self._bucket, t - self.warmup_steps
+        if self.window_order == "contiguous":  # one or two runs per shard: slices, no index tensors
+            runs = window_runs(j, self.k, b.shard_size)
+            parts = [(r * b.shard_size + a, r * b.shard_size + z) for r in range(b.world_size) for a, z in runs]
+            change = torch.cat([flat[a:z] - anchor[a:z] for a, z in parts])
+            mine = torch.cat([own[a:z] for a, z in runs])
+            error = quantized_all_reduce(self._comm, change, quantizer, residual=mine)
+            for (a, z), m in zip(runs, mine.split([z - a for a, z in runs]), strict=True):
+                own[a:z] = m
+            lengths = [z - a for a, z in parts]
+            for (a, z), c, e in zip(parts, change.split(lengths), error.split(lengths), strict=True):
+                anchor[a:z] += c
+                torch.add(anchor[a:z], e, out=flat[a:z])
+            return
+        local = window_positions(j, self.k, b.shard_size, self.window_order).to(flat.device)
+        pos = (local + torch.arange(0, flat.numel(), b.shard_size, device=flat.device).unsqueeze(1)).reshape(-1)
         change = flat[pos] - anchor[pos]
         mine = own[local]
         error = quantized_all_reduce(self._comm, change, quantizer, residual=mine)

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["SPREAD_BLOCK", "WINDOW_ORDERS", "spread_positions"]
+__all__ = ["SPREAD_BLOCK", "WINDOW_ORDERS", "spread_positions", "window_positions", "window_runs"]
 
 WINDOW_ORDERS = ("auto", "contiguous", "spread")
 """``contiguous``: a shard in its own order; ``spread``: in the order of :func:`spread_positions`;
@@ -43,3 +43,18 @@ def spread_positions(pos: Tensor, size: int) -> Tensor:
     q, r = torch.div(pos, SPREAD_BLOCK, rounding_mode="floor"), pos % SPREAD_BLOCK
     mapped = (q * a) % max(nb, 1) * SPREAD_BLOCK + r
     return torch.where(pos < full, mapped, pos)
+
+
+def window_positions(j: int, k: int, size: int, order: str) -> Tensor:
+    """The sorted shard positions of staggered window ``j``: ``[j * k, (j + 1) * k)`` mod ``size``, in ``order``."""
+    lo = (j * k) % size
+    pos = torch.arange(lo, lo + k, dtype=torch.int64) % size
+    if order == "spread":
+        pos = spread_positions(pos, size)
+    return pos.sort().values
+
+
+def window_runs(j: int, k: int, size: int) -> list[tuple[int, int]]:
+    """:func:`window_positions` of the contiguous order as sorted ``[a, z)`` runs (one, or two where it wraps)."""
+    lo = (j * k) % size
+    return [(lo, lo + k)] if lo + k <= size else [(0, lo + k - size), (lo, size)]

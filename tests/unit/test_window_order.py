@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from optim.window_order import SPREAD_BLOCK, spread_positions
+from optim.window_order import SPREAD_BLOCK, spread_positions, window_positions, window_runs
 
 
 @pytest.mark.parametrize("size", [1, 2, 15, 16, 17, 31, 32, 33, 48, 100, 1000, 4099, 65536, 100_003])
@@ -37,3 +37,15 @@ def test_the_same_on_every_call() -> None:
     a = spread_positions(torch.arange(500, 900), 12_345)
     b = spread_positions(torch.arange(500, 900), 12_345)
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(("k", "size"), [(1, 1), (3, 10), (10, 10), (7, 100), (64, 1000)])
+def test_contiguous_window_runs_cover_exactly_its_positions(k: int, size: int) -> None:
+    for j in range(25):
+        pos = window_positions(j, k, size, "contiguous")
+        assert pos.numel() == k and torch.equal(pos, pos.unique())
+        runs = window_runs(j, k, size)
+        assert 1 <= len(runs) <= 2
+        assert torch.equal(torch.cat([torch.arange(a, z) for a, z in runs]), pos)
+        spread = window_positions(j, k, size, "spread")
+        assert torch.equal(spread, spread_positions(torch.arange(j * k, (j + 1) * k) % size, size).sort().values)
