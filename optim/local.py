@@ -532,12 +532,14 @@ class LocalAdamS(ReplicatedAdamS):
         if self.window_order == "contiguous":  # one or two runs per shard: slices, no index tensors
             runs = window_runs(j, self.k, b.shard_size)
             parts = [(r * b.shard_size + a, r * b.shard_size + z) for r in range(b.world_size) for a, z in runs]
-            change = torch.cat([flat[a:z] - anchor[a:z] for a, z in parts])
+            lengths = [z - a for a, z in parts]
+            change = torch.empty(sum(lengths), dtype=flat.dtype, device=flat.device)
+            for (a, z), c in zip(parts, change.split(lengths), strict=True):
+                torch.sub(flat[a:z], anchor[a:z], out=c)
             mine = torch.cat([own[a:z] for a, z in runs])
             error = quantized_all_reduce(self._comm, change, quantizer, residual=mine)
             for (a, z), m in zip(runs, mine.split([z - a for a, z in runs]), strict=True):
                 own[a:z] = m
-            lengths = [z - a for a, z in parts]
             for (a, z), c, e in zip(parts, change.split(lengths), error.split(lengths), strict=True):
                 anchor[a:z] += c
                 torch.add(anchor[a:z], e, out=flat[a:z])
