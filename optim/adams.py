@@ -31,7 +31,14 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-__all__ = ["AdamS", "adams_step_", "adams_step_foreach_", "bias_correction_factor", "step_bound"]
+__all__ = [
+    "AdamS",
+    "adams_step_",
+    "adams_step_foreach_",
+    "bias_correction_factor",
+    "debiased_adams_step_",
+    "step_bound",
+]
 
 
 def bias_correction_factor(beta1: float, step: int, bias_correction: bool) -> float:
@@ -301,3 +308,62 @@ def _use_foreach(params: Sequence[Tensor], foreach: bool | None) -> list[bool]:
     return [
         type(p) in (Tensor, torch.nn.Parameter) and (p.is_cuda or p.numel() <= _CPU_FOREACH_MAX_NUMEL) for p in params
     ]
+
+
+_CHUNK = 1 << 18
+"""Values per chunk of :func:`debiased_adams_step_` (1 MiB of fp32 per scratch row)."""
+
+
+def debiased_adams_step_(
+    param: Tensor,
+    m: Tensor,
+    s: Tensor,
+    grad: Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    world_size: int,
+) -> None:
+    """AdamS on one rank's own gradient with ``(1 - 1/P)`` of its estimated noise out of the normalizer, in place.
+
+    ``s`` (EMA of ``g**2``, already updated with ``grad``, bias-corrected here)
+    minus the squared first moment estimates the variance of this rank's
+    gradient per coordinate. The averaged gradient dense AdamS sees carries
+    ``1/P`` of it, so ``(1 - 1/P)`` of it is removed from both terms of the
+    normalizer (the first moment carries ``(1 - beta1) / (1 + beta1)`` of it),
+    each term kept at or above what the averaged gradient would leave. Runs
+    in chunks through four small scratch rows: the same values bit for bit as
+    whole-tensor arithmetic, without its full-size temporaries.
+
+    Args:
+        param, m, s, grad: 1-D contiguous fp32 tensors of one length; ``param``
+            and ``m`` are updated.
+        lr, beta1, beta2, eps, weight_decay: AdamS hyperparameters.
+        step: The step number ``t`` (>= 1); bias correction is always on.
+        world_size: P, the ranks whose gradients dense AdamS would average.
+    """
+    c = 1.0 - beta1**step
+    c2 = 1.0 - beta2**step
+    excess = 1.0 - 1.0 / world_size
+    carried = excess * (1.0 - beta1) / (1.0 + beta1)
+    decay = 1.0 - lr * weight_decay
+    n = param.numel()
+    scratch = torch.empty(4, min(n, _CHUNK), dtype=param.dtype, device=param.device)
+    for lo in range(0, n, _CHUNK):
+        hi = min(n, lo + _CHUNK)
+        w, mm, ss, g = param[lo:hi], m[lo:hi], s[lo:hi], grad[lo:hi]
+        prev2, var, g2, tmp = (row[: hi - lo] for row in scratch)
+        torch.div(mm, c, out=prev2).square_()
+        torch.div(ss, c2, out=var).sub_(prev2).clamp_(min=0.0)
+        prev2.sub_(torch.mul(var, carried, out=tmp)).clamp_(min=0.0)
+        torch.mul(g, g, out=g2).sub_(torch.mul(var, excess, out=tmp))
+        torch.maximum(g2, torch.div(var, world_size, out=tmp), out=g2)
+        nu = prev2.mul_(beta2).add_(g2, alpha=1.0 - beta2)
+        mm.lerp_(g, 1.0 - beta1)
+        if weight_decay != 0.0:
+            w.mul_(decay)
+        w.addcdiv_(mm, nu.sqrt_().add_(eps), value=-lr / c)

@@ -69,6 +69,7 @@ import torch
 from torch import Tensor
 
 from bindings import ReduceOp
+from optim.adams import debiased_adams_step_
 from optim.sharded import ShardedAdamS, take_written
 from optim.window_order import WINDOW_ORDERS, window_positions, window_runs
 from sparsecomm.collectives import sparse_all_reduce
@@ -435,14 +436,9 @@ class LocalAdamS(ReplicatedAdamS):
     def _segment_update(
         self, w: Tensor, state: dict[str, Tensor], g: Tensor, grp: dict[str, Any], wd: float, step: int
     ) -> None:
-        """AdamS; with the debiased normalizer, the local phase takes the noise of one rank's gradient out.
+        """AdamS; with the debiased normalizer the local phase takes the noise of one rank's gradient out.
 
-        ``s`` (EMA of g**2, bias-corrected) minus the squared first moment
-        estimates the variance of this rank's gradient per coordinate. The
-        averaged gradient dense AdamS sees carries ``1/P`` of that variance, so
-        ``(1 - 1/P)`` of it is removed from both terms of the normalizer
-        (the first moment carries ``(1 - beta1) / (1 + beta1)`` of it), each term
-        kept at or above what the averaged gradient would leave.
+        See :func:`optim.adams.debiased_adams_step_`.
         """
         s = state.get("exp_avg_sq")
         if s is None:
@@ -454,19 +450,19 @@ class LocalAdamS(ReplicatedAdamS):
         if not self._local_phase or p == 1:  # averaged gradients (or one rank): plain AdamS
             super()._segment_update(w, state, g, grp, wd, step)
             return
-        m = state["exp_avg"]
-        lr, eps = float(grp["lr"]), grp["eps"]
-        c = 1.0 - beta1**step
-        excess = 1.0 - 1.0 / p
-        m_prev2 = (m / c).square_()
-        var = (s / (1.0 - beta2**step)).sub_(m_prev2).clamp_(min=0.0)
-        m_prev2.sub_(var * (excess * (1.0 - beta1) / (1.0 + beta1))).clamp_(min=0.0)
-        g2 = torch.maximum(g * g - excess * var, var / p)
-        nu = m_prev2.mul_(beta2).add_(g2, alpha=1.0 - beta2)
-        m.lerp_(g, 1.0 - beta1)
-        if wd != 0.0:
-            w.mul_(1.0 - lr * wd)
-        w.addcdiv_(m, nu.sqrt_().add_(eps), value=-lr / c)
+        debiased_adams_step_(
+            w,
+            state["exp_avg"],
+            s,
+            g,
+            lr=float(grp["lr"]),
+            beta1=beta1,
+            beta2=beta2,
+            eps=grp["eps"],
+            weight_decay=wd,
+            step=step,
+            world_size=p,
+        )
 
     def window(self, t: int) -> ShardedMask:
         """The positions averaged after step ``t`` (staggered): the same window in every shard.
