@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -46,12 +47,28 @@ def spread_positions(pos: Tensor, size: int) -> Tensor:
 
 
 def window_positions(j: int, k: int, size: int, order: str) -> Tensor:
-    """The sorted shard positions of staggered window ``j``: ``[j * k, (j + 1) * k)`` mod ``size``, in ``order``."""
-    lo = (j * k) % size
-    pos = torch.arange(lo, lo + k, dtype=torch.int64) % size
-    if order == "spread":
-        pos = spread_positions(pos, size)
-    return pos.sort().values
+    """The sorted shard positions of staggered window ``j``: ``[j * k, (j + 1) * k)`` mod ``size``, in ``order``.
+
+    The spread order is sorted through a membership map of the shard: whole
+    blocks are marked block by block and only the partial blocks at the
+    window's ends are mapped one position at a time (no sort of ``k`` positions).
+    """
+    runs = window_runs(j, k, size)
+    if order != "spread":
+        return torch.cat([torch.arange(a, z, dtype=torch.int64) for a, z in runs])
+    nb = size // SPREAD_BLOCK
+    full = nb * SPREAD_BLOCK
+    member = torch.zeros(size, dtype=torch.bool)
+    for a, z in runs:
+        qa, qz = -(-a // SPREAD_BLOCK), min(z, full) // SPREAD_BLOCK
+        if qa < qz:  # whole blocks qa .. qz - 1 go to blocks q * stride mod nb
+            blocks = torch.arange(qa, qz, dtype=torch.int64) * _spread_stride(nb) % nb
+            member[:full].view(nb, SPREAD_BLOCK)[blocks] = True
+            edges = torch.cat([torch.arange(a, qa * SPREAD_BLOCK), torch.arange(qz * SPREAD_BLOCK, z)])
+        else:
+            edges = torch.arange(a, z, dtype=torch.int64)
+        member[spread_positions(edges, size)] = True
+    return torch.from_numpy(np.flatnonzero(member.numpy()))
 
 
 def window_runs(j: int, k: int, size: int) -> list[tuple[int, int]]:

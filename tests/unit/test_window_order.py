@@ -49,3 +49,10 @@ def test_contiguous_window_runs_cover_exactly_its_positions(k: int, size: int) -
         assert torch.equal(torch.cat([torch.arange(a, z) for a, z in runs]), pos)
         spread = window_positions(j, k, size, "spread")
         assert torch.equal(spread, spread_positions(torch.arange(j * k, (j + 1) * k) % size, size).sort().values)
+
+
+@pytest.mark.parametrize(("k", "size"), [(5, 15), (16, 16), (17, 33), (40, 160), (100, 1003), (999, 1003)])
+def test_spread_window_equals_the_sorted_map_of_its_positions(k: int, size: int) -> None:
+    for j in range(40):
+        want = spread_positions(torch.arange(j * k, (j + 1) * k) % size, size).sort().values
+        assert torch.equal(window_positions(j, k, size, "spread"), want), j
