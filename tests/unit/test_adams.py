@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from optim.adams import AdamS, adams_step_, adams_step_foreach_, debiased_adams_step_, step_bound
+from optim.sharded import squared_norm
 
 B1, B2 = 0.9, 0.95
 PAPER_STEP1 = (1 - B1) / math.sqrt(1 - B2)  # 0.4472: m_1 / sqrt(nu_1), m_0 = 0, g = 1
@@ -566,3 +567,20 @@ def test_debiased_step_in_chunks_equals_whole_tensor_arithmetic(n: int, wd: floa
     _debiased_reference(w2, m2, s.clone(), g, wd=wd, p=4, **kw)
     debiased_adams_step_(w, m, s, g, weight_decay=wd, world_size=4, **kw)
     assert torch.equal(w, w2) and torch.equal(m, m2)
+
+
+@pytest.mark.parametrize("n", [1, 1000, (1 << 16) * 3 + 17, 1 << 18])
+def test_squared_norm_matches_float64_sum(n: int) -> None:
+    g = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 1e-3
+    ref = g.double().square().sum()
+    got = squared_norm(g)
+    assert got.dtype == torch.float64 and got.dim() == 0
+    assert abs(float(got) - float(ref)) <= 1e-6 * float(ref)
+
+
+def test_squared_norm_does_not_overflow_where_float32_would() -> None:
+    g = torch.full(((1 << 16) + 5,), 3e19)  # each square overflows float32
+    assert math.isfinite(float(squared_norm(g)))
+    assert float(squared_norm(g)) == pytest.approx(float(g.double().square().sum()), rel=1e-12)
+    g[7] = float("inf")
+    assert float(squared_norm(g)) == float("inf")
