@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["SPREAD_BLOCK", "WINDOW_ORDERS", "spread_positions", "window_positions", "window_runs"]
+__all__ = [
+    "SPREAD_BLOCK",
+    "WINDOW_ORDERS",
+    "SpreadWindow",
+    "spread_positions",
+    "spread_window",
+    "window_positions",
+    "window_runs",
+]
 
 WINDOW_ORDERS = ("auto", "contiguous", "spread")
 """``contiguous``: a shard in its own order; ``spread``: in the order of :func:`spread_positions`;
@@ -75,3 +84,96 @@ def window_runs(j: int, k: int, size: int) -> list[tuple[int, int]]:
     """:func:`window_positions` of the contiguous order as sorted ``[a, z)`` runs (one, or two where it wraps)."""
     lo = (j * k) % size
     return [(lo, lo + k)] if lo + k <= size else [(0, lo + k - size), (lo, size)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpreadWindow:
+    """The spread window of a shard as whole rows of :data:`SPREAD_BLOCK` positions, in sorted order.
+
+    :func:`window_positions` of the spread order lists ``k`` positions one
+    by one; this moves the same positions a cache line at a time (row
+    ``index_select`` / ``index_copy_``, 2x faster than per position on CPU).
+    ``rows`` are the sorted blocks with a window position in them; ``runs``
+    are the ``[a, z)`` ranges of the gathered rows' values that belong to the
+    window (all of a row but for the few rows at the window's ends); ``tail``
+    are the window's positions in the partial last block.
+    """
+
+    size: int
+    rows: Tensor
+    runs: tuple[tuple[int, int], ...]
+    tail: Tensor
+
+    def _lines(self, x: Tensor) -> Tensor:
+        return x[: self.size // SPREAD_BLOCK * SPREAD_BLOCK].view(-1, SPREAD_BLOCK)
+
+    def take(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """The window's rows and tail values of a shard-sized ``x`` (copies)."""
+        return self._lines(x).index_select(0, self.rows), x.index_select(0, self.tail)
+
+    def put(self, x: Tensor, rows: Tensor, tail: Tensor) -> None:
+        """Write rows and tail values (as from :meth:`take`) back into ``x``."""
+        self._lines(x).index_copy_(0, self.rows, rows)
+        x.index_copy_(0, self.tail, tail)
+
+    def values(self, rows: Tensor, tail: Tensor) -> Tensor:
+        """The window's values in the order of :func:`window_positions` (a new tensor)."""
+        flat = rows.reshape(-1)
+        return torch.cat([flat[a:z] for a, z in self.runs] + [tail])
+
+    def set_values(self, rows: Tensor, tail: Tensor, values: Tensor) -> None:
+        """The inverse of :meth:`values`: write the window's values into rows and tail."""
+        flat, at = rows.view(-1), 0
+        for a, z in self.runs:
+            flat[a:z] = values[at : at + z - a]
+            at += z - a
+        tail.copy_(values[at:])
+
+    def write(self, x: Tensor, rows: Tensor, tail: Tensor, values: Tensor) -> None:
+        """:meth:`set_values` then :meth:`put`: the window of ``x`` set to ``values``, the rest untouched."""
+        self.set_values(rows, tail, values)
+        self.put(x, rows, tail)
+
+
+def spread_window(j: int, k: int, size: int) -> SpreadWindow:
+    """Window ``j`` of the spread order as a :class:`SpreadWindow` (the positions of :func:`window_positions`)."""
+    nb = size // SPREAD_BLOCK
+    full, stride = nb * SPREAD_BLOCK, _spread_stride(nb)
+    member = np.zeros(nb, dtype=bool)
+    partial: dict[int, set[int]] = {}
+    tail: list[int] = []
+    for a, z in window_runs(j, k, size):
+        qa, qz = -(-a // SPREAD_BLOCK), min(z, full) // SPREAD_BLOCK
+        edges = [*range(a, qa * SPREAD_BLOCK), *range(qz * SPREAD_BLOCK, z)] if qa < qz else [*range(a, z)]
+        if qa < qz:
+            member[np.arange(qa, qz, dtype=np.int64) * stride % nb] = True
+        for p in edges:  # fewer than two blocks' worth per run, plus the partial last block
+            if p >= full:
+                tail.append(p)
+            else:
+                q, r = divmod(p, SPREAD_BLOCK)
+                partial.setdefault(q * stride % nb, set()).add(r)
+    member[list(partial)] = True
+    rows = np.flatnonzero(member)
+    runs: list[tuple[int, int]] = []
+    start = 0
+    for q in sorted(partial):
+        at = int(np.searchsorted(rows, q)) * SPREAD_BLOCK
+        runs.append((start, at))
+        runs.extend((at + r, at + r + 1) for r in sorted(partial[q]))
+        start = at + SPREAD_BLOCK
+    runs.append((start, rows.size * SPREAD_BLOCK))
+    merged: list[tuple[int, int]] = []
+    for a, z in runs:
+        if a >= z:
+            continue
+        if merged and merged[-1][1] == a:
+            merged[-1] = (merged[-1][0], z)
+        else:
+            merged.append((a, z))
+    return SpreadWindow(
+        size=size,
+        rows=torch.from_numpy(rows.astype(np.int64)),
+        runs=tuple(merged),
+        tail=torch.tensor(sorted(tail), dtype=torch.int64),
+    )

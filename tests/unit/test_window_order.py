@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from optim.window_order import SPREAD_BLOCK, spread_positions, window_positions, window_runs
+from optim.window_order import SPREAD_BLOCK, spread_positions, spread_window, window_positions, window_runs
 
 
 @pytest.mark.parametrize("size", [1, 2, 15, 16, 17, 31, 32, 33, 48, 100, 1000, 4099, 65536, 100_003])
@@ -56,3 +56,23 @@ def test_spread_window_equals_the_sorted_map_of_its_positions(k: int, size: int)
     for j in range(40):
         want = spread_positions(torch.arange(j * k, (j + 1) * k) % size, size).sort().values
         assert torch.equal(window_positions(j, k, size, "spread"), want), j
+
+
+@pytest.mark.parametrize(
+    ("k", "size"),
+    [(1, 1), (5, 15), (16, 16), (17, 33), (40, 160), (100, 1003), (999, 1003), (3, 1000), (4_000, 65_541)],
+)
+def test_spread_window_rows_move_exactly_the_window_positions(k: int, size: int) -> None:
+    x = torch.randn(size)
+    for j in range(30):
+        pos = window_positions(j, k, size, "spread")
+        w = spread_window(j, k, size)
+        rows, tail = w.take(x)
+        assert torch.equal(w.values(rows, tail), x[pos]), j
+        new = torch.randn(k)
+        w.set_values(rows, tail, new)
+        y = x.clone()
+        w.put(y, rows, tail)
+        want = x.clone()
+        want[pos] = new
+        assert torch.equal(y, want), j  # the window's positions written, every other one unchanged
