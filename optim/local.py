@@ -510,10 +510,12 @@ class LocalAdamS(ReplicatedAdamS):
             return
         mask = self.window(t)
         pos = mask.global_indices(flat.device)
-        delta[pos] = (flat[pos] - anchor[pos]).to(delta.dtype)
+        averaged = anchor.index_select(0, pos)
+        delta.index_copy_(0, pos, flat.index_select(0, pos).sub_(averaged).to(delta.dtype))
         sparse_all_reduce(self._comm, delta[:n], mask, "avg", verify_mask=False)
-        anchor[pos] += delta[pos]
-        flat[pos] = anchor[pos]
+        averaged.add_(delta.index_select(0, pos))
+        anchor.index_copy_(0, pos, averaged)
+        flat.index_copy_(0, pos, averaged)
 
     def _average_codes(self, t: int, quantizer: Quantizer, residual: Tensor, anchor: Tensor) -> None:
         """Average the changes since the anchor in ``quantizer``'s codes; each rank keeps its own encoding error."""
