@@ -201,14 +201,14 @@ class SCAPE(ShardedAdamS):
             self._residual.index_fill_(0, mask.global_indices(self._grad.device), 0.0)
         self._clip(g)
         idx = mask.piece(b.rank).to(self._master.device)
-        w = self._master[idx]
-        state = {name: s[idx] for name, s in self._shard.items()}
+        w = self._master.index_select(0, idx)  # index_select / index_copy_: 2-4x faster than [idx] on CPU
+        state = {name: s.index_select(0, idx) for name, s in self._shard.items()}
         if self.unselected == "decay_m":
             self._decay_first_moment()  # the k selected values are overwritten with their update below
         self._update(w, state, g, t + 1, idx)
-        self._master[idx] = w
+        self._master.index_copy_(0, idx, w)
         for name, s in self._shard.items():
-            s[idx] = state[name]
+            s.index_copy_(0, idx, state[name])
         flat = b.gather_params(self._flat)
         sparse_all_gather(comm, w, mask, flat[:n], verify_mask=False)
         b.write_params(flat)

@@ -71,8 +71,8 @@ class TopKAdamS(ReplicatedAdamS):
         n, ws, k = b.numel, b.world_size, min(self.k, b.numel)
         e.add_(g)
         idx = torch.topk(e[:n].abs(), k, sorted=False).indices
-        vals = e[idx]
-        e[idx] = 0.0
+        vals = e.index_select(0, idx)
+        e.index_fill_(0, idx, 0.0)
         all_vals = torch.empty(ws * k, dtype=vals.dtype, device=vals.device)
         all_idx = torch.empty(ws * k, dtype=torch.int32, device=vals.device)
         with comm.stats.scope("topk"):
