@@ -143,6 +143,24 @@ class FlatBucket:
         out[self.numel :].zero_()
         return missing
 
+    def grads(self) -> tuple[list[Tensor], list[int]]:
+        """The params' grads as flat tensors in buffer order, nothing copied; zeros for a ``None`` grad.
+
+        Returns:
+            The grads, and the indices of the parameters without one.
+        """
+        out: list[Tensor] = []
+        missing: list[int] = []
+        for i, p in enumerate(self.params):
+            if p.grad is None:
+                out.append(torch.zeros(p.numel(), dtype=self.dtype, device=self.device))
+                missing.append(i)
+            elif p.grad.is_sparse:
+                raise RuntimeError("sparse gradients are not supported; use dense ones")
+            else:
+                out.append(p.grad.detach().reshape(-1))
+        return out, missing
+
     @torch.no_grad()
     def bind_params(self, flat: Tensor) -> bool:
         """Make every fp32 parameter a view of ``flat`` (padded flat fp32), values kept.

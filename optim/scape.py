@@ -155,6 +155,7 @@ class SCAPE(ShardedAdamS):
         self.last_mask: ShardedMask | None = None
         self._residual = b.new_flat() if self.error_feedback else None
         self._score_buf: Tensor | None = None  # the mask statistic's scratch (real shard positions)
+        self._grad_pieces: list[Tensor] | None = None  # this step's gradients, when read at the mask only
         self._sched: MaskSchedule | None = None
         self._background = background_proposal and self._master.device.type == "cpu"
         if self.density < 1.0:
@@ -178,6 +179,16 @@ class SCAPE(ShardedAdamS):
         assert self._sched is not None
         return self._sched.mask_for(self._step)
 
+    def _take_grads(self) -> None:
+        # A sparse step without a residual reads each gradient at the mask only: no full-size copy.
+        self._grad_pieces = None
+        if self._residual is None and self._bucket.dtype == torch.float32 and self.next_mask() is not None:
+            pieces, missing = self._bucket.grads()
+            self._check_grads(missing)
+            self._grad_pieces = pieces
+        else:
+            super()._take_grads()
+
     def _run(self, t: int) -> None:
         mask = self.next_mask()
         self.last_mask = mask
@@ -194,7 +205,9 @@ class SCAPE(ShardedAdamS):
         n = b.numel
         if self._residual is not None:
             self._grad.add_(self._residual)
-        g = sparse_reduce_scatter(comm, self._grad[:n], mask, "avg", verify_mask=False)
+        src, self._grad_pieces = self._grad[:n] if self._grad_pieces is None else self._grad_pieces, None
+        g = sparse_reduce_scatter(comm, src, mask, "avg", verify_mask=False)
+        del src  # holds no gradient past the step
         assert isinstance(g, Tensor)
         if self._residual is not None:
             self._residual.copy_(self._grad)

@@ -129,7 +129,7 @@ class _ShardedOptimizer(Optimizer):
         self._settle()
         t = self._step
         self._sync_params()
-        self._check_grads(self._bucket.gather_grads(self._grad))
+        self._take_grads()
         self._run(t)
         self._step = t + 1
         self._after(t)
@@ -197,6 +197,10 @@ class _ShardedOptimizer(Optimizer):
                 type(self).__name__,
                 changed,
             )
+
+    def _take_grads(self) -> None:
+        """Bring this step's gradients in: copied into the flat buffer ``self._grad`` (padding zero)."""
+        self._check_grads(self._bucket.gather_grads(self._grad))
 
     def _check_grads(self, missing: list[int]) -> None:
         b = self._bucket

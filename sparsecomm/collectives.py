@@ -25,14 +25,14 @@ its users pass ``verify_mask=False``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from bindings import ChainedWork, Communicator, ReduceOp, Work, parse_reduce_op
 from sparsecomm.mask import ShardedMask
-from sparsecomm.pack import kernel_for, pack_plan
+from sparsecomm.pack import kernel_for, pack_plan, pieces_plan
 
 __all__ = [
     "SPARSE_DTYPES",
@@ -91,14 +91,53 @@ def verify_same_mask(comm: Communicator, mask: ShardedMask, op_name: str) -> Non
         raise ValueError(f"mask: {op_name} was called with masks that differ between ranks")
 
 
-def pack(flat: torch.Tensor, mask: ShardedMask, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Gather ``flat[mask]`` into a contiguous ``P*k`` buffer (padding positions read as 0)."""
+def _check_input(input: Any, mask: ShardedMask) -> torch.Tensor | list[torch.Tensor]:
+    """``input`` as one flat tensor, or as its pieces (tensors of one dtype and device laid end to end)."""
+    if isinstance(input, torch.Tensor):
+        _check_values("input", input)
+        _check_numel("input", input, mask)
+        return input.reshape(-1)
+    if not isinstance(input, Sequence) or not input:
+        raise TypeError(f"input: expected a torch.Tensor or a non-empty sequence of them, got {type(input).__name__}")
+    pieces = [_check_values(f"input[{i}]", t) for i, t in enumerate(input)]
+    kinds = {(t.dtype, t.device) for t in pieces}
+    if len(kinds) != 1:
+        raise TypeError(f"input: the pieces must share one dtype and device, got {sorted(map(str, kinds))}")
+    total = sum(t.numel() for t in pieces)
+    if total != mask.numel:
+        raise ValueError(f"input: the pieces hold {total} elements, the mask's numel is {mask.numel}")
+    return [t.reshape(-1) for t in pieces]
+
+
+def pack(
+    flat: torch.Tensor | Sequence[torch.Tensor], mask: ShardedMask, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Gather ``flat[mask]`` into a contiguous ``P*k`` buffer (padding positions read as 0).
+
+    ``flat`` may also be a sequence of 1-D tensors whose values laid end to end
+    are the flat buffer (a model's gradients): each is read at its own
+    positions only, nothing is concatenated.
+    """
+    if not isinstance(flat, torch.Tensor):
+        return _pack_pieces(flat, mask, out)
     plan = pack_plan(mask, flat.device)
     if out is None:
         out = torch.empty(plan.gather_idx.numel(), dtype=flat.dtype, device=flat.device)
     kernel_for(flat.device, flat.dtype).pack(flat, plan.gather_idx, out)
     if plan.pad_slots is not None:
         out.index_fill_(0, plan.pad_slots, 0)
+    return out
+
+
+def _pack_pieces(pieces: Sequence[torch.Tensor], mask: ShardedMask, out: torch.Tensor | None) -> torch.Tensor:
+    first = pieces[0]
+    plan = pieces_plan(mask, tuple(t.numel() for t in pieces), first.device)
+    if out is None:
+        out = torch.empty(mask.k * mask.world_size, dtype=first.dtype, device=first.device)
+    kernel = kernel_for(first.device, first.dtype)
+    for i, lo, hi, idx in plan.runs:
+        kernel.pack(pieces[i], idx, out[lo:hi])
+    out[plan.pad_lo :].zero_()
     return out
 
 
@@ -130,7 +169,7 @@ def _finish(work: Work | None, finish: Callable[[], object], async_op: bool) -> 
 
 def sparse_reduce_scatter(
     comm: Communicator,
-    input: torch.Tensor,
+    input: torch.Tensor | Sequence[torch.Tensor],
     mask: ShardedMask,
     op: Any = "sum",
     *,
@@ -144,7 +183,10 @@ def sparse_reduce_scatter(
 
     Args:
         comm: The communicator.
-        input: N values (any shape); not modified.
+        input: N values (any shape), or a sequence of tensors of one dtype
+            and device whose values laid end to end are the N values (a
+            model's gradients: each is read at its masked positions only,
+            nothing is concatenated); not modified.
         mask: The shared mask (``mask.numel == input.numel()``).
         op: ``"sum"`` or ``"avg"`` (or the ``ReduceOp`` spellings).
         output: Optional buffer of ``k`` elements (same dtype and device).
@@ -159,22 +201,22 @@ def sparse_reduce_scatter(
         TypeError, ValueError: Bad arguments or masks that differ between ranks.
         CommError: Transport failure or timeout.
     """
-    _check_values("input", input)
     mask = _check_mask(comm, mask)
-    _check_numel("input", input, mask)
+    flat = _check_input(input, mask)
     rop = _check_op(op)
+    first = flat if isinstance(flat, torch.Tensor) else flat[0]
+    dtype, device = first.dtype, first.device
     if output is None:
-        output = torch.empty(mask.k, dtype=input.dtype, device=input.device)
+        output = torch.empty(mask.k, dtype=dtype, device=device)
     else:
         _check_values("output", output)
-        if output.numel() != mask.k or output.dtype != input.dtype or output.device != input.device:
+        if output.numel() != mask.k or output.dtype != dtype or output.device != device:
             raise ValueError(
-                f"output: expected {mask.k} elements of {input.dtype} on {input.device}, got "
+                f"output: expected {mask.k} elements of {dtype} on {device}, got "
                 f"{output.numel()} of {output.dtype} on {output.device}"
             )
     if verify_mask:
         verify_same_mask(comm, mask, "sparse_reduce_scatter")
-    flat = input.reshape(-1)
     with comm.stats.scope("sparse_reduce_scatter"):
         packed = pack(flat, mask)
         work = comm.reduce_scatter(output, packed, rop, async_op=async_op)

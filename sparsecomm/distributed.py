@@ -24,7 +24,7 @@ Differences from torch.distributed, all deliberate:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -370,7 +370,7 @@ def recv(
 
 # ---------------------------------------------------------------------------- sparse collectives
 def sparse_reduce_scatter(
-    input: torch.Tensor,
+    input: torch.Tensor | Sequence[torch.Tensor],
     mask: ShardedMask,
     op: Any = "sum",
     group: Group | None = None,

@@ -17,6 +17,7 @@ on CPU with one torch thread per rank, where it is torch
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -39,6 +40,8 @@ __all__ = [
     "KERNEL_ENV",
     "kernel_for",
     "pack_plan",
+    "PiecesPlan",
+    "pieces_plan",
 ]
 
 logger = logging.getLogger(__name__)
@@ -211,6 +214,38 @@ def pack_plan(mask: ShardedMask, device: torch.device) -> PackPlan:
                 scatter_slots=slots[valid].to(device),
             )
         plan = cache.setdefault(key, plan)
+    return plan
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PiecesPlan:
+    """Where a mask falls in tensors laid end to end, built once per mask and layout."""
+
+    runs: tuple[tuple[int, int, int, torch.Tensor], ...]
+    """``(piece, lo, hi, idx)``: packed slots ``[lo, hi)`` are ``piece``'s values at ``idx``."""
+    pad_lo: int
+    """Packed slots from here on are padding (zeroed)."""
+
+
+def pieces_plan(mask: ShardedMask, numels: tuple[int, ...], device: torch.device) -> PiecesPlan:
+    """Return the cached :class:`PiecesPlan` of ``mask`` over pieces of ``numels`` elements on ``device``.
+
+    The mask's global positions are sorted (shard-major, each shard's sorted),
+    so each piece's positions are one run of packed slots.
+    """
+    key = ("pieces_plan", numels, str(device))
+    cache: dict[object, Any] = mask._cache  # noqa: SLF001 - the mask's own derived-data cache
+    plan = cache.get(key)
+    if plan is None:
+        g = mask.global_indices()
+        ends = torch.tensor(numels, dtype=torch.int64).cumsum(0)
+        cuts = [0, *torch.searchsorted(g, ends).tolist()]
+        runs = []
+        for i, (lo, hi) in enumerate(itertools.pairwise(cuts)):
+            if hi > lo:
+                off = int(ends[i]) - numels[i]
+                runs.append((i, lo, hi, (g[lo:hi] - off).to(device)))
+        plan = cache.setdefault(key, PiecesPlan(runs=tuple(runs), pad_lo=cuts[-1]))
     return plan
 
 

@@ -56,6 +56,9 @@ def case_sparse_matches_dense_reference(rank: int, ws: int) -> int:
             # reduce-scatter: this rank's k values, in mask order
             for op, scale in (("sum", 1.0), ("avg", 1.0 / ws)):
                 got = dist.sparse_reduce_scatter(inputs[rank].clone(), mask, op=op)
+                # the same values given as pieces laid end to end (a model's gradients)
+                pieces = list(torch.split(inputs[rank], [n // 3, 0, n - n // 3]))
+                assert torch.equal(dist.sparse_reduce_scatter(pieces, mask, op=op), got)
                 own = mask.piece(rank) + rank * mask.shard_size
                 expected = (padded[own] * scale).to(dtype)
                 torch.testing.assert_close(got, expected, msg=f"RS {op} n={n} d={density} {dtype}")
@@ -229,6 +232,14 @@ def case_sparse_bad_input(rank: int, ws: int) -> int:
         (TypeError, "dtype", lambda: dist.sparse_all_reduce(torch.ones(n, dtype=torch.int64), mask)),
         (ValueError, "op", lambda: dist.sparse_all_reduce(x, mask, op="max")),
         (ValueError, "output", lambda: dist.sparse_reduce_scatter(x, mask, output=torch.empty(mask.k - 1))),
+        (ValueError, "pieces hold", lambda: dist.sparse_reduce_scatter([torch.ones(n - 1)], mask)),
+        (TypeError, "sequence", lambda: dist.sparse_reduce_scatter([], mask)),
+        (TypeError, "input[1]", lambda: dist.sparse_reduce_scatter([x, "grad"], mask)),
+        (
+            TypeError,
+            "one dtype",
+            lambda: dist.sparse_reduce_scatter([torch.ones(1), torch.ones(n - 1, dtype=torch.float64)], mask),
+        ),
         (ValueError, "shard_values", lambda: dist.sparse_all_gather(torch.ones(mask.k + 1), mask, out)),
         (ValueError, "numel", lambda: dist.sparse_all_gather(torch.ones(mask.k), mask, torch.zeros(n - 1))),
         (

@@ -9,7 +9,7 @@ import torch
 
 from sparsecomm.collectives import pack, unpack
 from sparsecomm.mask import ShardedMask, encoded_size, k_for, shard_size_for, topk_piece
-from sparsecomm.pack import candidates, pack_plan
+from sparsecomm.pack import candidates, pack_plan, pieces_plan
 from sparsecomm.schedule import _from_wire, _to_wire, varint_bound, wire_encoding
 
 
@@ -28,6 +28,19 @@ def test_pack_then_unpack_round_trips_and_zeroes_padding(numel: int, ws: int, de
     rest = torch.ones(numel, dtype=torch.bool)
     rest[sel] = False
     assert bool((y[rest] == -1).all())
+
+
+@pytest.mark.parametrize("numel,ws,density", [(10, 4, 1.0), (1001, 3, 0.1), (4096, 4, 0.01), (7, 2, 0.5)])
+def test_pack_of_pieces_equals_pack_of_their_concatenation(numel: int, ws: int, density: float) -> None:
+    gen = torch.Generator().manual_seed(numel)
+    mask = ShardedMask.random(numel, ws, density, gen)
+    x = torch.randn(numel, generator=gen)
+    cuts = sorted(torch.randint(0, numel + 1, (5,), generator=gen).tolist())
+    sizes = [b - a for a, b in zip([0, *cuts], [*cuts, numel], strict=True)]  # empty pieces included
+    pieces = list(torch.split(x, sizes))
+    got = pack(pieces, mask, out=torch.full((mask.k * ws,), float("nan")))
+    assert torch.equal(got, pack(x, mask))
+    assert pieces_plan(mask, tuple(sizes), torch.device("cpu")) is pieces_plan(mask, tuple(sizes), torch.device("cpu"))
 
 
 def test_index_tensors_are_built_once_per_mask_and_device() -> None:
