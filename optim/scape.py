@@ -88,6 +88,10 @@ class SCAPE(ShardedAdamS):
         last_mask: The mask used by the last step (``None`` if it was dense).
     """
 
+    # A sparse step writes the master at k positions and the parameters there: with the master kept
+    # in the parameters, no step reads the whole shard to find what was written from outside.
+    _master_in_params = True
+
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],

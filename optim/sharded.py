@@ -63,6 +63,9 @@ class _ShardedOptimizer(Optimizer):
     """
 
     _state_names: tuple[str, ...] = ("exp_avg",)
+    _master_in_params = False
+    """Keep the master of fp32 parameters in the parameters themselves (this rank's slice of the flat
+    buffer they view): a write into them is a write into the master, with nothing to compare per step."""
 
     def __init__(
         self,
@@ -91,8 +94,10 @@ class _ShardedOptimizer(Optimizer):
         b = self._bucket
         self._grad = b.new_flat()
         self._flat = b.new_flat()
-        b.bind_params(self._flat)  # fp32 params become views of the flat buffer: no copies per step
-        self._master = b.own_slice(b.gather_params(self._flat)).clone()
+        bound = b.bind_params(self._flat)  # fp32 params become views of the flat buffer: no copies per step
+        own = b.own_slice(b.gather_params(self._flat))
+        self._master_is_params = bound and self._master_in_params
+        self._master = own if self._master_is_params else own.clone()
         self._shard = {n: torch.zeros_like(self._master) for n in self._state_names}
         self._step = 0
         self._watch = ParamWatch(b.params)
@@ -187,6 +192,8 @@ class _ShardedOptimizer(Optimizer):
 
     def _take_written(self) -> None:
         """Make values written into the parameters from outside this rank's master."""
+        if self._master_is_params:
+            return  # they were written into it
         b = self._bucket
         own, master = b.own_values(self._flat)[: b.real], self._master[: b.real]
         ref = master if b.dtype == torch.float32 else master.to(b.dtype).float()
@@ -224,13 +231,17 @@ class _ShardedOptimizer(Optimizer):
         pass
 
     def _dense_step(self, t: int) -> None:
-        b, comm = self._bucket, self._comm
         g = torch.empty_like(self._master)
-        comm.reduce_scatter(g, self._grad, ReduceOp.AVG)
+        self._comm.reduce_scatter(g, self._grad, ReduceOp.AVG)
         self._clip(g)
         self._update(self._master, self._shard, g, t + 1, None)
-        comm.all_gather(self._flat, self._master)
-        b.write_params(self._flat)
+        self._all_gather_params()
+
+    def _all_gather_params(self) -> None:
+        """Every rank's parameters from the owners' master shards (one all_gather)."""
+        src = self._master.clone() if self._master_is_params else self._master  # the input never aliases flat
+        self._comm.all_gather(self._flat, src)
+        self._bucket.write_params(self._flat)
 
     def _clip(self, g: Tensor, *, sharded: bool = True) -> None:
         """Scale the grad values by min(1, c / norm).
@@ -287,7 +298,11 @@ class _ShardedOptimizer(Optimizer):
     # ------------------------------------------------------------------ state
     @property
     def master_shard(self) -> Tensor:
-        """This rank's fp32 master weights (``shard_size`` elements, padding last)."""
+        """This rank's fp32 master weights (``shard_size`` elements, padding last).
+
+        For SCAPE over fp32 parameters this is this rank's slice of the flat
+        buffer the parameters view: the parameters' own values themselves.
+        """
         return self._master
 
     @property
@@ -364,7 +379,8 @@ class _ShardedOptimizer(Optimizer):
         """Load a :meth:`snapshot_state` of this rank's layout.
 
         Collective: every rank must call this with snapshots of the same step
-        (SCAPE re-makes its in-flight mask). Parameters are not touched: call
+        (SCAPE re-makes its in-flight mask). Parameters are not touched (but
+        for this rank's own values where the master lives in them): call
         :meth:`resync_params` afterwards.
         """
         self._check_shard("snapshot", snap)
@@ -379,8 +395,7 @@ class _ShardedOptimizer(Optimizer):
         Collective: every rank must call this.
         """
         self._follow_params()
-        self._comm.all_gather(self._flat, self._master)
-        self._bucket.write_params(self._flat)
+        self._all_gather_params()
         self._master_wins = False
 
     def abandon(self) -> None:
