@@ -238,14 +238,15 @@ def pieces_plan(mask: ShardedMask, numels: tuple[int, ...], device: torch.device
     plan = cache.get(key)
     if plan is None:
         g = mask.global_indices()
-        ends = torch.tensor(numels, dtype=torch.int64).cumsum(0)
-        cuts = [0, *torch.searchsorted(g, ends).tolist()]
-        runs = []
-        for i, (lo, hi) in enumerate(itertools.pairwise(cuts)):
-            if hi > lo:
-                off = int(ends[i]) - numels[i]
-                runs.append((i, lo, hi, (g[lo:hi] - off).to(device)))
-        plan = cache.setdefault(key, PiecesPlan(runs=tuple(runs), pad_lo=cuts[-1]))
+        starts = list(itertools.accumulate(numels, initial=0))
+        cuts = [0, *torch.searchsorted(g, torch.tensor(starts[1:], dtype=torch.int64)).tolist()]
+        spans = [(i, lo, hi) for i, (lo, hi) in enumerate(itertools.pairwise(cuts)) if hi > lo]
+        local = g[: cuts[-1]].clone()
+        for i, lo, hi in spans:
+            local[lo:hi].sub_(starts[i])
+        local = local.to(device)
+        runs = tuple((i, lo, hi, local[lo:hi]) for i, lo, hi in spans)
+        plan = cache.setdefault(key, PiecesPlan(runs=runs, pad_lo=cuts[-1]))
     return plan
 
 
