@@ -61,6 +61,7 @@ METHODS = (
     "local-contiguous",
     "local-spread",
     "local-plain",
+    "local-codes-plain",
     "local-f32",
     "periodic",
     "topk",
@@ -70,7 +71,8 @@ defaults (``local``: staggered window of changes in the codes of :func:`optim.lo
 ``window_order="auto"``, debiased normalizer); in the window's own order (contiguous) unless the name
 says otherwise: with ``B``-bit codes at every density (``local-intB``), with bfloat16 changes
 (``local-bf16``, the defaults before the codes), the defaults with either order at every density
-(``local-contiguous``, ``local-spread``), bfloat16 changes with plain per-rank AdamS (``local-plain``); float32
+(``local-contiguous``, ``local-spread``), bfloat16 changes with plain per-rank AdamS (``local-plain``), the
+defaults' codes and order with plain per-rank AdamS (``local-codes-plain``); float32
 values and plain AdamS (``local-f32``); a periodic dense float32 average and plain AdamS
 (``periodic``); TopKAdamS (top-k + error feedback)."""
 
@@ -119,6 +121,12 @@ _METHOD_OVERRIDES: dict[str, dict[str, Any]] = {
         "local_wire": "bfloat16",
         "local_normalizer": "local",
         "local_window_order": "contiguous",
+    },
+    "local-codes-plain": {
+        "optimizer": "local-adams",
+        "local_schedule": "staggered",
+        "local_wire": "auto",
+        "local_normalizer": "local",
     },
     "local-f32": {
         "optimizer": "local-adams",
