@@ -326,7 +326,8 @@ def debiased_adams_step_(
     eps: float,
     weight_decay: float,
     step: int,
-    world_size: int,
+    world_size: float,
+    var_sum: Tensor | None = None,
 ) -> None:
     """AdamS on one rank's own gradient with ``(1 - 1/P)`` of its estimated noise out of the normalizer, in place.
 
@@ -344,7 +345,11 @@ def debiased_adams_step_(
             and ``m`` are updated.
         lr, beta1, beta2, eps, weight_decay: AdamS hyperparameters.
         step: The step number ``t`` (>= 1); bias correction is always on.
-        world_size: P, the ranks whose gradients dense AdamS would average.
+        world_size: P, the ranks whose gradients dense AdamS would average (a
+            float: an effective P, where only part of the estimate is noise
+            across ranks, see :class:`optim.noise.NoiseScale`).
+        var_sum: A float64 scalar to which the sum of the estimated variance
+            over these coordinates is added (``None``: not summed).
     """
     c = 1.0 - beta1**step
     c2 = 1.0 - beta2**step
@@ -359,6 +364,8 @@ def debiased_adams_step_(
         prev2, var, g2, tmp = (row[: hi - lo] for row in scratch)
         torch.div(mm, c, out=prev2).square_()
         torch.div(ss, c2, out=var).sub_(prev2).clamp_(min=0.0)
+        if var_sum is not None:
+            var_sum.add_(var.sum(dtype=torch.float64))
         prev2.sub_(torch.mul(var, carried, out=tmp)).clamp_(min=0.0)
         torch.mul(g, g, out=g2).sub_(torch.mul(var, excess, out=tmp))
         torch.maximum(g2, torch.div(var, world_size, out=tmp), out=g2)

@@ -25,7 +25,8 @@ import torch
 import sparsecomm.distributed as dist
 from bindings.store import open_store
 from optim.checkpoint import CheckpointError, CheckpointStore, export_state_dict, model_fingerprint, read_newest
-from optim.local import LocalAdamS, ReplicatedAdamS
+from optim.local import LocalAdamS
+from optim.replicated import ReplicatedAdamS
 from optim.reshard import gather_full_state, restore_resharded
 from optim.sharded import _ShardedOptimizer
 from optim.training_state import load_plain

@@ -32,11 +32,13 @@ dense AdamS, and the loss gap grows with training (``benchmarks/README.md``,
     normalizes by, which shrinks the steps of low-signal coordinates by up to
     ``sqrt(world_size)`` (slow escapes from loss plateaus); the excess noise,
     estimated per coordinate from the rank's own gradient history, is taken
-    out of the normalizer. Between averages the replicas differ: evaluate or
+    out of the normalizer (``normalizer="measured"``: only the share of that
+    estimate that one tiny all_reduce per step measures as noise across the
+    ranks, :mod:`optim.noise`). Between averages the replicas differ: evaluate or
     save the model inside :meth:`LocalAdamS.averaged`, or call
     :meth:`LocalAdamS.average_params` once training is over.
 
-:class:`optim.topk.TopKAdamS` (the suite's classic baseline, on this module's :class:`ReplicatedAdamS`)
+:class:`optim.topk.TopKAdamS` (the suite's classic baseline, on :class:`optim.replicated.ReplicatedAdamS`)
     Every rank adds its gradient to a local residual, sends its ``k`` largest
     entries with their int32 indices (one all-gather of values, one of
     indices), keeps the rest, and all ranks apply the same AdamS step to the
@@ -54,8 +56,8 @@ first moment, residual); restoring one needs no communication.
 Wire bytes (stats scopes): ``all_reduce`` (warm-up gradients, periodic
 averages), ``quantized_all_reduce`` (the window in codes, the default) or
 ``sparse_all_reduce`` (bfloat16 or float32 values) of the staggered window, ``topk`` (values
-and indices), and ``average`` for :meth:`LocalAdamS.averaged` /
-:meth:`LocalAdamS.average_params`.
+and indices), ``noise`` (the measured normalizer's sketch), and ``average`` for
+:meth:`LocalAdamS.averaged` / :meth:`LocalAdamS.average_params`.
 """
 
 from __future__ import annotations
@@ -70,7 +72,8 @@ from torch import Tensor
 
 from bindings import ReduceOp
 from optim.adams import debiased_adams_step_
-from optim.sharded import ShardedAdamS, take_written
+from optim.noise import NoiseScale, effective_world_size
+from optim.replicated import ReplicatedAdamS, check_density
 from optim.window_order import WINDOW_ORDERS, spread_window, window_positions, window_runs
 from sparsecomm.collectives import sparse_all_reduce
 from sparsecomm.mask import ShardedMask, k_for
@@ -82,7 +85,6 @@ __all__ = [
     "WINDOW_ORDERS",
     "WIRE_DTYPES",
     "LocalAdamS",
-    "ReplicatedAdamS",
     "auto_wire_bits",
 ]
 
@@ -90,15 +92,7 @@ logger = logging.getLogger(__name__)
 
 LOCAL_SCHEDULES = ("staggered", "periodic")
 WIRE_DTYPES = (torch.float32, torch.bfloat16)
-NORMALIZERS = ("debiased", "local")
-
-
-def _check_density(density: object) -> float:
-    if isinstance(density, bool) or not isinstance(density, (int, float)):
-        raise ValueError(f"Invalid density: {density!r} (must be a float in (0, 1])")
-    if not 0.0 < float(density) <= 1.0:
-        raise ValueError(f"Invalid density: {density!r} (must be in (0, 1])")
-    return float(density)
+NORMALIZERS = ("debiased", "measured", "local")
 
 
 def auto_wire_bits(density: float) -> int:
@@ -115,181 +109,6 @@ def auto_wire_bits(density: float) -> int:
         if 32.0 * density / Quantizer(bits=bits).bits_per_value() >= 0.5:
             return bits
     return min(QUANT_BITS)
-
-
-def _check_steps(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"Invalid {name}: {value!r} (must be an int >= 0)")
-    return value
-
-
-class ReplicatedAdamS(ShardedAdamS):
-    """AdamS over the whole flat buffer on every rank; subclasses choose the gradient and the averaging.
-
-    Not built directly: :class:`LocalAdamS` and :class:`TopKAdamS` are.
-
-    The base's master shard is kept equal to this rank's slice of its replica
-    after every step, so the parameter checks of :class:`ShardedAdamS` (values
-    written from outside are taken) work unchanged; the sharded state is empty
-    and the full first moment lives in ``_m``.
-    """
-
-    _state_names = ()
-
-    def __init__(
-        self,
-        params: Iterable[Tensor] | Iterable[dict[str, Any]],
-        lr: float,
-        betas: tuple[float, float],
-        eps: float,
-        weight_decay: float,
-        density: float,
-        warmup_steps: int,
-        max_grad_norm: float,
-        bias_correction: bool,
-        group: Any,
-        *,
-        wd_min_ndim: int,
-        config: str,
-    ) -> None:
-        self.density = _check_density(density)
-        self.warmup_steps = _check_steps("warmup_steps", warmup_steps)
-        super().__init__(
-            params,
-            lr,
-            betas,
-            eps,
-            weight_decay,
-            bias_correction,
-            max_grad_norm,
-            group,
-            wd_min_ndim=wd_min_ndim,
-            _config=f"{self.density!r}|{warmup_steps}|{config}",
-        )
-        b = self._bucket
-        self._m = b.new_flat()
-        self.k = k_for(b.numel, b.world_size, self.density)
-        """Positions per shard averaged (staggered) or sent per rank (top-k) at each step."""
-
-    # ------------------------------------------------------------------ step
-    def _run(self, t: int) -> None:
-        b, g = self._bucket, self._grad
-        if t < self.warmup_steps:
-            self._comm.all_reduce(g, ReduceOp.AVG)
-        else:
-            g = self._sparse_grad(t, g)
-        self._clip(g, sharded=False)
-        self._local_phase = t >= self.warmup_steps
-        state = {"exp_avg": self._m, **self._extra_moments()}
-        self._update(self._flat, state, g, t + 1, None, segments=b.full_segments)
-        if t >= self.warmup_steps:
-            self._average(t)
-        b.write_params(self._flat)
-        self._master.copy_(b.own_slice(self._flat))
-
-    def _sparse_grad(self, t: int, g: Tensor) -> Tensor:
-        """The gradient of a step after the warm-up (``g``: this rank's own)."""
-        return g
-
-    def _extra_moments(self) -> dict[str, Tensor]:
-        """Full-size state tensors the update needs beyond the first moment."""
-        return {}
-
-    def _average(self, t: int) -> None:
-        """Average (part of) the replicas after the update of step ``t``."""
-
-    def _take_written(self) -> None:
-        """Take values written into the parameters from outside into the replica (local, no communication)."""
-        b = self._bucket
-        changed = 0
-        for p, off in zip(b.params, b.offsets, strict=True):
-            mine = self._flat[off : off + p.numel()]
-            cur = p.detach().reshape(-1)
-            if cur.data_ptr() == mine.data_ptr():
-                continue  # the parameter views the replica: nothing to take
-            changed += take_written(mine, cur, mine if p.dtype == torch.float32 else mine.to(p.dtype))
-        if changed:
-            logger.info(
-                "%s: %d parameter values were written outside the optimizer; taken", type(self).__name__, changed
-            )
-        self._master.copy_(b.own_slice(self._flat))
-
-    # ------------------------------------------------------------------ state
-    def _full_state(self) -> dict[str, Tensor]:
-        return {"params": self._flat, "exp_avg": self._m}
-
-    @property
-    def replica_state(self) -> dict[str, Tensor]:
-        """The full-size state this rank keeps beside its replica (first moment, anchor, residuals), by name."""
-        return {name: t for name, t in self._full_state().items() if name != "params"}
-
-    def _check_shard(self, what: str, sh: dict[str, Any]) -> None:
-        super()._check_shard(what, sh)
-        extra = sh.get("extra") or {}
-        for name, mine in self._full_state().items():
-            src = extra.get(name)
-            if not isinstance(src, Tensor) or src.shape != mine.shape or src.dtype != mine.dtype:
-                got = None if not isinstance(src, Tensor) else (tuple(src.shape), src.dtype)
-                raise ValueError(f"{what}: {name} should be {tuple(mine.shape)} {mine.dtype}, got {got}")
-
-    def _copy_full(self, extra: dict[str, Any]) -> None:
-        for name, mine in self._full_state().items():
-            mine.copy_(extra[name])
-        self._bucket.write_params(self._flat)
-        self._master.copy_(self._bucket.own_slice(self._flat))
-        self._master_wins = False  # the replica was loaded into the parameters themselves
-
-    def _snapshot_extra(self) -> dict[str, Any]:
-        return dict(self._full_state())
-
-    def _restore_extra(self, extra: dict[str, Any]) -> None:
-        self._copy_full(extra)
-
-    def _extra_state(self) -> dict[str, Any]:
-        return {n: t.clone() for n, t in self._full_state().items()}
-
-    def _load_extra(self, extra: dict[str, Any]) -> None:
-        self._copy_full(extra)
-
-    @torch.no_grad()
-    def restore_replica(self, snap: dict[str, Any]) -> None:
-        """Load a :meth:`snapshot_state` taken under any world size (same parameters): this rank's replica.
-
-        The replica (parameters, first moment, residual) does not depend on the
-        layout, so a survivor of a shrink goes on from its own; the master
-        shard is cut from it in the new layout. Local: no communication. The
-        parameters are written.
-
-        Raises:
-            ValueError: The snapshot is of other parameters or another optimizer.
-        """
-        b = self._bucket
-        extra = snap.get("extra") or {}
-        if int(snap.get("numel", -1)) != b.numel:
-            raise ValueError(f"snapshot: {snap.get('numel')} parameters saved, this optimizer has {b.numel}")
-        for name, mine in self._full_state().items():
-            src = extra.get(name)
-            if not isinstance(src, Tensor) or src.dim() != 1 or src.numel() < b.numel or src.dtype != mine.dtype:
-                raise ValueError(f"snapshot: {name} missing or not a flat {mine.dtype} replica of {b.numel} elements")
-        for name, mine in self._full_state().items():
-            mine.zero_()
-            mine[: b.numel].copy_(extra[name][: b.numel])
-        self._step = int(snap["step"])
-        b.write_params(self._flat)
-        self._master.copy_(b.own_slice(self._flat))
-        self._master_wins = False
-
-    @torch.no_grad()
-    def resync_params(self) -> None:
-        """Write this rank's replica into the parameters (local; kept collective-shaped for callers).
-
-        Collective: every rank must call this (it issues no communication today,
-        but callers treat it like the sharded optimizers' resync).
-        """
-        self._follow_params()
-        self._bucket.write_params(self._flat)
-        self._master.copy_(self._bucket.own_slice(self._flat))
-        self._master_wins = False
 
 
 class LocalAdamS(ReplicatedAdamS):
@@ -335,7 +154,11 @@ class LocalAdamS(ReplicatedAdamS):
             AdamS on this rank's gradient, whose normalizer carries
             ``world_size`` times the noise, so low-signal coordinates move up to
             ``sqrt(world_size)`` times less than under dense AdamS (slower off
-            loss plateaus).
+            loss plateaus). ``"measured"``: debiased, but only the share of the
+            estimate that is noise across ranks is taken out, measured every
+            local step (:class:`optim.noise.NoiseScale`: one all_reduce of 66
+            float32 values, stats scope ``noise``); the estimate from one
+            rank's history also holds how its gradient moves over the steps.
         window_order: ``"contiguous"``: the staggered window moves through
             the shard in its own order, so it averages whole tensors in turn.
             ``"spread"``: through the order of :func:`spread_positions`, so
@@ -385,7 +208,7 @@ class LocalAdamS(ReplicatedAdamS):
         """The encoding of the changes when ``wire_bits`` is set."""
         scale = float(torch.finfo(torch.float32).bits // torch.finfo(wire_dtype).bits)
         if wire_bits == "auto":
-            wire_bits = None if wire_dtype == torch.float32 else auto_wire_bits(_check_density(density))
+            wire_bits = None if wire_dtype == torch.float32 else auto_wire_bits(check_density(density))
         if isinstance(wire_bits, str):
             raise ValueError(f"Invalid wire_bits: {wire_bits!r} (must be 'auto', None or one of {QUANT_BITS})")
         self.wire_bits = wire_bits
@@ -395,7 +218,7 @@ class LocalAdamS(ReplicatedAdamS):
                 raise ValueError("wire_bits encodes the changes since the last average: use wire_dtype=torch.bfloat16")
             self.quantizer = Quantizer(bits=wire_bits)
             scale = torch.finfo(torch.float32).bits / self.quantizer.bits_per_value()
-        self.wire_density = min(1.0, _check_density(density) * scale)
+        self.wire_density = min(1.0, check_density(density) * scale)
         """Fraction of the positions averaged per step (staggered) at the wire dtype's size."""
         self.period = max(1, round(1.0 / self.wire_density))
         """Steps between two dense averages (``periodic``)."""
@@ -422,7 +245,10 @@ class LocalAdamS(ReplicatedAdamS):
         b = self._bucket
         self.k = k_for(b.numel, b.world_size, self.wire_density)
         self._residual = b.new_flat() if self.quantizer is not None else None
-        self._s = self._bucket.new_flat() if normalizer == "debiased" else None
+        self._s = self._bucket.new_flat() if normalizer != "local" else None
+        self.noise: NoiseScale | None = NoiseScale() if normalizer == "measured" else None
+        """The measured share of the debiased normalizer's noise estimate (``normalizer="measured"``)."""
+        self._var_sum = torch.zeros((), dtype=torch.float64, device=self._flat.device)
         self._anchor: Tensor | None = None
         self._delta: Tensor | None = None
         if wire_dtype != torch.float32:
@@ -461,7 +287,8 @@ class LocalAdamS(ReplicatedAdamS):
             eps=grp["eps"],
             weight_decay=wd,
             step=step,
-            world_size=p,
+            world_size=p if self.noise is None else effective_world_size(self.noise.rho, p),
+            var_sum=None if self.noise is None else self._var_sum,
         )
 
     def window(self, t: int) -> ShardedMask:
@@ -489,7 +316,11 @@ class LocalAdamS(ReplicatedAdamS):
         super()._run(t)
 
     def _average(self, t: int) -> None:
-        if not self.is_average_step(t) or self._bucket.world_size == 1:
+        p = self._bucket.world_size
+        if self.noise is not None and p > 1:  # the step's clipped gradient and estimate, for the next step
+            self.noise.measure(self._comm, self._grad, (1.0 - 1.0 / p) * float(self._var_sum), t)
+            self._var_sum.zero_()
+        if not self.is_average_step(t) or p == 1:
             return  # one rank: nothing to average (and no bfloat16 rounding of its own changes)
         n, flat, anchor = self._bucket.numel, self._flat, self._anchor
         if self.quantizer is not None and self._residual is not None and anchor is not None:
@@ -562,6 +393,31 @@ class LocalAdamS(ReplicatedAdamS):
         if self._residual is not None:
             out["wire_residual"] = self._residual
         return out
+
+    def _check_shard(self, what: str, sh: dict[str, Any]) -> None:
+        super()._check_shard(what, sh)
+        if self.noise is not None:
+            NoiseScale().load_state_dict(sh.get("extra") or {})  # the same checks, on a throwaway
+
+    def _copy_full(self, extra: dict[str, Any]) -> None:
+        super()._copy_full(extra)
+        if self.noise is not None:
+            self.noise.load_state_dict(extra)
+
+    def _snapshot_extra(self) -> dict[str, Any]:
+        return {**super()._snapshot_extra(), **({} if self.noise is None else {"noise_ema": self.noise.ema})}
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {**super()._extra_state(), **({} if self.noise is None else self.noise.state_dict())}
+
+    @torch.no_grad()
+    def restore_replica(self, snap: dict[str, Any]) -> None:
+        """As :meth:`ReplicatedAdamS.restore_replica`, with the measured noise's EMAs (``normalizer="measured"``)."""
+        if self.noise is not None:
+            NoiseScale().load_state_dict(snap.get("extra") or {})  # checked before anything is written
+        super().restore_replica(snap)
+        if self.noise is not None:
+            self.noise.load_state_dict(snap["extra"])
 
     @property
     def anchor(self) -> Tensor | None:

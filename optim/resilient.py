@@ -73,8 +73,9 @@ import sparsecomm.distributed as dist
 from bindings.errors import PeerFailureError
 from optim import training_state as ts
 from optim.checkpoint import CheckpointError, CheckpointStore, model_fingerprint, read_newest
-from optim.local import LocalAdamS, ReplicatedAdamS
+from optim.local import LocalAdamS
 from optim.recovery import SlotSnapshots
+from optim.replicated import ReplicatedAdamS
 from optim.reshard import gather_full_state, restore_resharded
 from optim.resilient_config import BadStepsError, EventHook, ResilientConfig, Stateful
 from optim.sharded import _ShardedOptimizer

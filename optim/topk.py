@@ -1,7 +1,7 @@
 """TopKAdamS: AdamS on the average of every rank's top-k gradient entries, with error feedback.
 
 The classic sparsifier the convergence suite compares against (values travel
-with their int32 indices); see :mod:`optim.local` for the replicated layout
+with their int32 indices); see :mod:`optim.replicated` for the replicated layout
 it shares with :class:`optim.local.LocalAdamS`.
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from optim.local import ReplicatedAdamS
+from optim.replicated import ReplicatedAdamS
 
 __all__ = ["TopKAdamS"]
 

@@ -60,6 +60,7 @@ METHODS = (
     "local-int1",
     "local-contiguous",
     "local-spread",
+    "local-measured",
     "local-plain",
     "local-codes-plain",
     "local-f32",
@@ -71,7 +72,8 @@ defaults (``local``: staggered window of changes in the codes of :func:`optim.lo
 ``window_order="auto"``, debiased normalizer); in the window's own order (contiguous) unless the name
 says otherwise: with ``B``-bit codes at every density (``local-intB``), with bfloat16 changes
 (``local-bf16``, the defaults before the codes), the defaults with either order at every density
-(``local-contiguous``, ``local-spread``), bfloat16 changes with plain per-rank AdamS (``local-plain``), the
+(``local-contiguous``, ``local-spread``), the defaults with the measured share of the normalizer's noise
+estimate taken out (``local-measured``), bfloat16 changes with plain per-rank AdamS (``local-plain``), the
 defaults' codes and order with plain per-rank AdamS (``local-codes-plain``); float32
 values and plain AdamS (``local-f32``); a periodic dense float32 average and plain AdamS
 (``periodic``); TopKAdamS (top-k + error feedback)."""
@@ -114,6 +116,12 @@ _METHOD_OVERRIDES: dict[str, dict[str, Any]] = {
         "local_wire": "auto",
         "local_normalizer": "debiased",
         "local_window_order": "spread",
+    },
+    "local-measured": {
+        "optimizer": "local-adams",
+        "local_schedule": "staggered",
+        "local_wire": "auto",
+        "local_normalizer": "measured",
     },
     "local-plain": {
         "optimizer": "local-adams",

@@ -76,7 +76,8 @@ def add_scape_options(p: argparse.ArgumentParser, d: TrainConfig) -> None:
         "--local-normalizer",
         choices=NORMALIZERS,
         default=d.local_normalizer,
-        help="LocalAdamS: AdamS normalizer of the averaged gradient (debiased) or of this rank's own (local)",
+        help="LocalAdamS: AdamS normalizer of the averaged gradient (debiased), the same with only the measured "
+        "noise across ranks taken out (measured), or of this rank's own (local)",
     )
     p.add_argument(
         "--local-window-order",

@@ -49,6 +49,8 @@ def _make(kind: str, params: object, density: float) -> torch.optim.Optimizer:
         return TopKAdamS(params, **kw)
     if kind == "default":
         return LocalAdamS(params, **kw)  # bfloat16 window, debiased normalizer
+    if kind == "measured":
+        return LocalAdamS(params, normalizer="measured", **kw)
     # the references below run plain AdamS per rank: the local normalizer
     if kind == "staggered-spread":
         return LocalAdamS(
@@ -269,7 +271,7 @@ def _rank_resume(rank: int, ws: int, kind: str, via: str) -> dict:
     return {"cont": cont, "again": again}
 
 
-@pytest.mark.parametrize("kind", ["staggered", "staggered-bf16", "staggered-int4", "default", "topk"])
+@pytest.mark.parametrize("kind", ["staggered", "staggered-bf16", "staggered-int4", "default", "measured", "topk"])
 @pytest.mark.parametrize("via", ["snapshot", "state_dict"])
 def test_resume_is_bitwise(kind: str, via: str) -> None:
     res = run_ranks(_rank_resume, 2, kind, via, timeout=120, op_timeout=60)
@@ -445,6 +447,39 @@ def test_debiased_normalizer_moves_low_signal_coordinates_like_dense_adams() -> 
     # measured: plain 0.53x, debiased 0.69x of dense AdamS's displacement (the instantaneous g**2 of one rank
     # still has a heavier tail than that of the average): closer, never past dense
     assert 1.2 * plain < debiased < 1.05 * dense, (dense, plain, debiased)
+
+
+def _rank_measured_share(rank: int, ws: int, shared: bool) -> dict:
+    """Gradients that differ across ranks (batch noise) or are the same on every rank but flip sign over the steps."""
+    from optim import LocalAdamS
+
+    w = torch.nn.Parameter(torch.zeros(3000))
+    opt = LocalAdamS([w], lr=0.01, density=0.1, warmup_steps=2, wire_dtype=torch.float32, normalizer="measured")
+    mu = torch.full((3000,), 0.05)
+    rhos = []
+    for t in range(40):
+        seed = 1000 * t + (0 if shared else rank + 1)
+        noise = torch.randn(3000, generator=torch.Generator().manual_seed(seed))
+        opt.zero_grad()
+        (w * (mu + noise)).sum().backward()
+        opt.step()
+        assert opt.noise is not None
+        rhos.append(opt.noise.rho)
+    return {"rhos": rhos, "noise_bytes": opt.communicator.stats.as_dict()["noise"]["bytes_sent"]}
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_measured_normalizer_takes_out_only_the_noise_across_ranks(shared: bool) -> None:
+    """The same noise on every rank is no batch noise: the measured share falls to ~0 (rho the same everywhere)."""
+    res = run_ranks(_rank_measured_share, 4, shared, timeout=120, op_timeout=60)
+    assert all(r["rhos"] == res[0]["rhos"] for r in res)
+    rhos = res[0]["rhos"]
+    assert rhos[:2] == [1.0, 1.0]  # the warm-up: nothing measured
+    if shared:
+        assert sum(rhos[10:]) / 30 < 0.08 and max(rhos[10:]) < 0.2, rhos
+    else:  # i.i.d. noise per rank: the per-coordinate estimate is right, up to the sketch's error
+        assert min(rhos[10:]) > 0.7, rhos
+    assert 0 < res[0]["noise_bytes"] <= 38 * (64 + 2) * 4 * 2  # 38 local steps of one tiny all_reduce each
 
 
 def _rank_single(rank: int, ws: int) -> list[float]:
