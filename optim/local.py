@@ -63,7 +63,6 @@ and indices), ``noise`` (the measured normalizer's sketch), and ``average`` for
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -72,7 +71,7 @@ from torch import Tensor
 
 from bindings import ReduceOp
 from optim.adams import debiased_adams_step_
-from optim.noise import NoiseScale, effective_world_size
+from optim.noise import NoiseScale, check_noise_state, effective_world_size
 from optim.replicated import ReplicatedAdamS, check_density
 from optim.window_order import WINDOW_ORDERS, spread_window, window_positions, window_runs
 from sparsecomm.collectives import sparse_all_reduce
@@ -87,8 +86,6 @@ __all__ = [
     "LocalAdamS",
     "auto_wire_bits",
 ]
-
-logger = logging.getLogger(__name__)
 
 LOCAL_SCHEDULES = ("staggered", "periodic")
 WIRE_DTYPES = (torch.float32, torch.bfloat16)
@@ -397,7 +394,7 @@ class LocalAdamS(ReplicatedAdamS):
     def _check_shard(self, what: str, sh: dict[str, Any]) -> None:
         super()._check_shard(what, sh)
         if self.noise is not None:
-            NoiseScale().load_state_dict(sh.get("extra") or {})  # the same checks, on a throwaway
+            check_noise_state(sh.get("extra") or {})
 
     def _copy_full(self, extra: dict[str, Any]) -> None:
         super()._copy_full(extra)
@@ -414,7 +411,7 @@ class LocalAdamS(ReplicatedAdamS):
     def restore_replica(self, snap: dict[str, Any]) -> None:
         """As :meth:`ReplicatedAdamS.restore_replica`, with the measured noise's EMAs (``normalizer="measured"``)."""
         if self.noise is not None:
-            NoiseScale().load_state_dict(snap.get("extra") or {})  # checked before anything is written
+            check_noise_state(snap.get("extra") or {})  # checked before anything is written
         super().restore_replica(snap)
         if self.noise is not None:
             self.noise.load_state_dict(snap["extra"])

@@ -36,10 +36,28 @@ from torch import Tensor
 from bindings import ReduceOp
 from optim.sharded import squared_norm
 
-__all__ = ["NoiseScale", "effective_world_size", "sketch_norm_sq"]
+__all__ = ["NoiseScale", "check_noise_state", "effective_world_size", "sign_sketch"]
 
 
-def sketch_norm_sq(g: Tensor, columns: int, generator: torch.Generator) -> Tensor:
+def _check_columns(columns: object) -> None:
+    if isinstance(columns, bool) or not isinstance(columns, int) or columns < 1:
+        raise ValueError(f"Invalid columns: {columns!r} (must be an int >= 1)")
+
+
+def check_noise_state(state: dict[str, Any]) -> Tensor:
+    """Return ``state["noise_ema"]`` (:meth:`NoiseScale.state_dict`).
+
+    Raises:
+        ValueError: Missing or not two float64 values.
+    """
+    src = state.get("noise_ema")
+    if not isinstance(src, Tensor) or tuple(src.shape) != (2,) or src.dtype != torch.float64:
+        got = None if not isinstance(src, Tensor) else (tuple(src.shape), src.dtype)
+        raise ValueError(f"noise_ema should be a (2,) float64 tensor, got {got}")
+    return src
+
+
+def sign_sketch(g: Tensor, columns: int, generator: torch.Generator) -> Tensor:
     """The ``columns`` random-sign column sums of ``g`` (1-D): their squares sum to ``|g|**2`` in expectation.
 
     Position ``i`` goes to column ``i mod columns`` with the sign of its row
@@ -48,8 +66,7 @@ def sketch_norm_sq(g: Tensor, columns: int, generator: torch.Generator) -> Tenso
     """
     if g.dim() != 1:
         raise ValueError(f"g must be 1-D, got shape {tuple(g.shape)}")
-    if isinstance(columns, bool) or not isinstance(columns, int) or columns < 1:
-        raise ValueError(f"Invalid columns: {columns!r} (must be an int >= 1)")
+    _check_columns(columns)
     n = g.numel()
     rows, tail = divmod(n, columns)
     signs = torch.randint(0, 2, (rows + 1,), generator=generator).to(device=g.device, dtype=g.dtype)
@@ -80,8 +97,7 @@ class NoiseScale:
     """
 
     def __init__(self, *, columns: int = 64, beta: float = 0.9, seed: int = 0x5CA1E) -> None:
-        if isinstance(columns, bool) or not isinstance(columns, int) or columns < 1:
-            raise ValueError(f"Invalid columns: {columns!r} (must be an int >= 1)")
+        _check_columns(columns)
         if not 0.0 <= beta < 1.0:
             raise ValueError(f"Invalid beta: {beta!r} (must be in [0, 1))")
         self.columns = columns
@@ -116,7 +132,7 @@ class NoiseScale:
         k = self.columns
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + int(step))
         vec = torch.empty(k + 2, dtype=torch.float32, device=g.device)
-        vec[:k] = sketch_norm_sq(g, k, gen)
+        vec[:k] = sign_sketch(g, k, gen)
         vec[k] = float(squared_norm(g))
         vec[k + 1] = estimated
         with comm.stats.scope("noise"):
@@ -138,8 +154,4 @@ class NoiseScale:
         Raises:
             ValueError: Missing or not two float64 values.
         """
-        src = state.get("noise_ema")
-        if not isinstance(src, Tensor) or tuple(src.shape) != (2,) or src.dtype != torch.float64:
-            got = None if not isinstance(src, Tensor) else (tuple(src.shape), src.dtype)
-            raise ValueError(f"noise_ema should be a (2,) float64 tensor, got {got}")
-        self.ema.copy_(src)
+        self.ema.copy_(check_noise_state(state))

@@ -6,15 +6,13 @@ import pytest
 import torch
 
 from optim.adams import debiased_adams_step_
-from optim.noise import NoiseScale, effective_world_size, sketch_norm_sq
+from optim.noise import NoiseScale, effective_world_size, sign_sketch
 
 
 @pytest.mark.parametrize("n,columns", [(1, 64), (640, 64), (1000, 64), (5, 3), (4096, 1)])
 def test_sketch_squares_sum_to_the_squared_norm_on_average(n: int, columns: int) -> None:
     g = torch.randn(n, generator=torch.Generator().manual_seed(n)) * torch.linspace(0.1, 3.0, n)
-    draws = torch.stack(
-        [sketch_norm_sq(g, columns, torch.Generator().manual_seed(s)).square().sum() for s in range(2000)]
-    )
+    draws = torch.stack([sign_sketch(g, columns, torch.Generator().manual_seed(s)).square().sum() for s in range(2000)])
     ref = float(g.square().sum())
     assert float(draws.mean()) == pytest.approx(ref, rel=0.05)
     if columns >= n:  # every position has a column of its own: exact
@@ -24,16 +22,16 @@ def test_sketch_squares_sum_to_the_squared_norm_on_average(n: int, columns: int)
 def test_sketch_is_linear_in_the_gradient() -> None:
     gen = torch.Generator().manual_seed(1)
     a, b = torch.randn(1001, generator=gen), torch.randn(1001, generator=gen)
-    sa, sb, sab = (sketch_norm_sq(x, 64, torch.Generator().manual_seed(7)) for x in (a, b, (a + b) / 2))
+    sa, sb, sab = (sign_sketch(x, 64, torch.Generator().manual_seed(7)) for x in (a, b, (a + b) / 2))
     assert torch.allclose((sa + sb) / 2, sab, atol=1e-5)
 
 
 def test_sketch_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="1-D"):
-        sketch_norm_sq(torch.zeros(2, 3), 4, torch.Generator())
+        sign_sketch(torch.zeros(2, 3), 4, torch.Generator())
     for bad in (0, -1, True, 2.0):
         with pytest.raises(ValueError, match="columns"):
-            sketch_norm_sq(torch.zeros(8), bad, torch.Generator())  # type: ignore[arg-type]
+            sign_sketch(torch.zeros(8), bad, torch.Generator())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="columns"):
         NoiseScale(columns=0)
     with pytest.raises(ValueError, match="beta"):
