@@ -32,9 +32,9 @@ dense AdamS, and the loss gap grows with training (``benchmarks/README.md``,
     normalizes by, which shrinks the steps of low-signal coordinates by up to
     ``sqrt(world_size)`` (slow escapes from loss plateaus); the excess noise,
     estimated per coordinate from the rank's own gradient history, is taken
-    out of the normalizer (``normalizer="measured"``: only the share of that
-    estimate that one tiny all_reduce per step measures as noise across the
-    ranks, :mod:`optim.noise`). Between averages the replicas differ: evaluate or
+    out of the normalizer (at density 0.01 by default only as far as one tiny
+    all_reduce per step measures that estimate to be noise across the ranks,
+    ``normalizer="measured"``, :mod:`optim.noise`). Between averages the replicas differ: evaluate or
     save the model inside :meth:`LocalAdamS.averaged`, or call
     :meth:`LocalAdamS.average_params` once training is over.
 
@@ -89,7 +89,7 @@ __all__ = [
 
 LOCAL_SCHEDULES = ("staggered", "periodic")
 WIRE_DTYPES = (torch.float32, torch.bfloat16)
-NORMALIZERS = ("debiased", "measured", "local")
+NORMALIZERS = ("auto", "debiased", "measured", "local")
 
 
 def auto_wire_bits(density: float) -> int:
@@ -143,19 +143,24 @@ class LocalAdamS(ReplicatedAdamS):
             the position's next average), and each owner what the encoding of
             the average dropped (one more fp32 vector, ``wire_residual`` in
             snapshots). ``None``: ``wire_dtype`` values (bfloat16 changes).
-        normalizer: ``"debiased"`` (default): in the local phase, AdamS's
-            normalizer is built as dense AdamS's would be from the averaged
-            gradient -- the noise of this rank's gradient above ``1/world_size``
-            of it, estimated per coordinate from the rank's own history, is
-            taken out (one more full fp32 state vector). ``"local"``: plain
-            AdamS on this rank's gradient, whose normalizer carries
-            ``world_size`` times the noise, so low-signal coordinates move up to
-            ``sqrt(world_size)`` times less than under dense AdamS (slower off
-            loss plateaus). ``"measured"``: debiased, but only the share of the
-            estimate that is noise across ranks is taken out, measured every
-            local step (:class:`optim.noise.NoiseScale`: one all_reduce of 66
-            float32 values, stats scope ``noise``); the estimate from one
-            rank's history also holds how its gradient moves over the steps.
+        normalizer: ``"debiased"``: in the local phase, AdamS's normalizer is
+            built as dense AdamS's would be from the averaged gradient -- the
+            noise of this rank's gradient above ``1/world_size`` of it,
+            estimated per coordinate from the rank's own history, is taken out
+            (one more full fp32 state vector). ``"measured"``: debiased, but
+            only the share of that estimate that is noise across ranks is
+            taken out, measured every local step
+            (:class:`optim.noise.NoiseScale`: one all_reduce of 66 float32
+            values, stats scope ``noise``); the estimate from one rank's history
+            also holds how its gradient moves over the steps, which dense AdamS
+            keeps. ``"local"``: plain AdamS on this rank's gradient, whose
+            normalizer carries ``world_size`` times the noise, so low-signal
+            coordinates move up to ``sqrt(world_size)`` times less than under
+            dense AdamS (slower off loss plateaus). ``"auto"`` (default):
+            measured where the window covers less than half of the shard per
+            step (1-bit codes at density 0.01), debiased otherwise (4-bit codes
+            at 0.1): the worst case over the convergence suite at each density
+            (``benchmarks/README.md``).
         window_order: ``"contiguous"``: the staggered window moves through
             the shard in its own order, so it averages whole tensors in turn.
             ``"spread"``: through the order of :func:`spread_positions`, so
@@ -186,7 +191,7 @@ class LocalAdamS(ReplicatedAdamS):
         *,
         wire_dtype: torch.dtype = torch.bfloat16,
         wire_bits: int | str | None = "auto",
-        normalizer: str = "debiased",
+        normalizer: str = "auto",
         window_order: str = "auto",
         wd_min_ndim: int = 2,
     ) -> None:
@@ -194,7 +199,6 @@ class LocalAdamS(ReplicatedAdamS):
             raise ValueError(f"Invalid schedule: {schedule!r} (must be one of {LOCAL_SCHEDULES})")
         if normalizer not in NORMALIZERS:
             raise ValueError(f"Invalid normalizer: {normalizer!r} (must be one of {NORMALIZERS})")
-        self.normalizer = normalizer
         if window_order not in WINDOW_ORDERS:
             raise ValueError(f"Invalid window_order: {window_order!r} (must be one of {WINDOW_ORDERS})")
         if wire_dtype not in WIRE_DTYPES:
@@ -223,6 +227,10 @@ class LocalAdamS(ReplicatedAdamS):
             window_order = "spread" if self.wire_density < 0.5 else "contiguous"
         self.window_order = window_order
         """The staggered window's order, ``"contiguous"`` or ``"spread"`` (``"auto"`` resolved)."""
+        if normalizer == "auto":
+            normalizer = "measured" if self.wire_density < 0.5 else "debiased"
+        self.normalizer = normalizer
+        """``"debiased"``, ``"measured"`` or ``"local"`` (``"auto"`` resolved)."""
         super().__init__(
             params,
             lr,

@@ -60,6 +60,7 @@ METHODS = (
     "local-int1",
     "local-contiguous",
     "local-spread",
+    "local-debiased",
     "local-measured",
     "local-plain",
     "local-codes-plain",
@@ -69,12 +70,12 @@ METHODS = (
 )
 """Sparse methods a convergence run can compare, each at every density: SCAPE; LocalAdamS with its
 defaults (``local``: staggered window of changes in the codes of :func:`optim.local.auto_wire_bits`,
-``window_order="auto"``, debiased normalizer); in the window's own order (contiguous) unless the name
-says otherwise: with ``B``-bit codes at every density (``local-intB``), with bfloat16 changes
-(``local-bf16``, the defaults before the codes), the defaults with either order at every density
-(``local-contiguous``, ``local-spread``), the defaults with the measured share of the normalizer's noise
-estimate taken out (``local-measured``), bfloat16 changes with plain per-rank AdamS (``local-plain``), the
-defaults' codes and order with plain per-rank AdamS (``local-codes-plain``); float32
+``window_order="auto"``, ``normalizer="auto"``); the defaults with the debiased or the measured
+normalizer at every density (``local-debiased``, ``local-measured``); with the debiased normalizer and in the
+window's own order (contiguous) unless the name says otherwise: with ``B``-bit codes at every density
+(``local-intB``), with bfloat16 changes (``local-bf16``, the defaults before the codes), either order at
+every density (``local-contiguous``, ``local-spread``); bfloat16 changes with plain per-rank AdamS
+(``local-plain``), the defaults' codes and order with plain per-rank AdamS (``local-codes-plain``); float32
 values and plain AdamS (``local-f32``); a periodic dense float32 average and plain AdamS
 (``periodic``); TopKAdamS (top-k + error feedback)."""
 
@@ -84,7 +85,7 @@ _METHOD_OVERRIDES: dict[str, dict[str, Any]] = {
         "optimizer": "local-adams",
         "local_schedule": "staggered",
         "local_wire": "auto",
-        "local_normalizer": "debiased",
+        "local_normalizer": "auto",
     },
     "local-bf16": {
         "optimizer": "local-adams",
@@ -116,6 +117,12 @@ _METHOD_OVERRIDES: dict[str, dict[str, Any]] = {
         "local_wire": "auto",
         "local_normalizer": "debiased",
         "local_window_order": "spread",
+    },
+    "local-debiased": {
+        "optimizer": "local-adams",
+        "local_schedule": "staggered",
+        "local_wire": "auto",
+        "local_normalizer": "debiased",
     },
     "local-measured": {
         "optimizer": "local-adams",

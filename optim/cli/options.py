@@ -77,7 +77,8 @@ def add_scape_options(p: argparse.ArgumentParser, d: TrainConfig) -> None:
         choices=NORMALIZERS,
         default=d.local_normalizer,
         help="LocalAdamS: AdamS normalizer of the averaged gradient (debiased), the same with only the measured "
-        "noise across ranks taken out (measured), or of this rank's own (local)",
+        "noise across ranks taken out (measured), of this rank's own (local), or measured where the window "
+        "covers less than half of the shard per step and debiased otherwise (auto)",
     )
     p.add_argument(
         "--local-window-order",

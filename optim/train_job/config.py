@@ -58,7 +58,7 @@ class TrainConfig:
     sparse_warmup_steps: int = 10  # SCAPE, LocalAdamS, TopKAdamS: dense steps before sparsity starts.
     local_schedule: str = "staggered"  # LocalAdamS: staggered | periodic averaging.
     local_wire: str = "auto"  # LocalAdamS: one of LOCAL_WIRES (auto codes, float32 values, bfloat16 or intB changes).
-    local_normalizer: str = "debiased"  # LocalAdamS: debiased | measured | local (see optim.LocalAdamS).
+    local_normalizer: str = "auto"  # LocalAdamS: auto | debiased | measured | local (see optim.LocalAdamS).
     local_window_order: str = "auto"  # LocalAdamS: auto | contiguous | spread staggered window.
     unselected: str = "decay_m"  # SCAPE: policy of unselected coordinates (freeze | decay_m).
     error_feedback: bool = False  # SCAPE: keep the unsent gradient as a local residual.

@@ -48,9 +48,9 @@ def _make(kind: str, params: object, density: float) -> torch.optim.Optimizer:
     if kind == "topk":
         return TopKAdamS(params, **kw)
     if kind == "default":
-        return LocalAdamS(params, **kw)  # bfloat16 window, debiased normalizer
-    if kind == "measured":
-        return LocalAdamS(params, normalizer="measured", **kw)
+        return LocalAdamS(params, **kw)  # codes of the changes, normalizer="auto"
+    if kind in ("debiased", "measured"):
+        return LocalAdamS(params, normalizer=kind, **kw)
     # the references below run plain AdamS per rank: the local normalizer
     if kind == "staggered-spread":
         return LocalAdamS(
@@ -271,12 +271,30 @@ def _rank_resume(rank: int, ws: int, kind: str, via: str) -> dict:
     return {"cont": cont, "again": again}
 
 
-@pytest.mark.parametrize("kind", ["staggered", "staggered-bf16", "staggered-int4", "default", "measured", "topk"])
+@pytest.mark.parametrize(
+    "kind", ["staggered", "staggered-bf16", "staggered-int4", "default", "debiased", "measured", "topk"]
+)
 @pytest.mark.parametrize("via", ["snapshot", "state_dict"])
 def test_resume_is_bitwise(kind: str, via: str) -> None:
     res = run_ranks(_rank_resume, 2, kind, via, timeout=120, op_timeout=60)
     for r in res:
         assert r["cont"] == r["again"]
+
+
+def _rank_auto_normalizer(rank: int, ws: int) -> list[tuple[str, bool]]:
+    from optim import LocalAdamS
+
+    out = []
+    for kw in ({"density": 0.1}, {"density": 0.01}, {"density": 0.1, "wire_dtype": torch.float32}):
+        opt = LocalAdamS(_model().parameters(), **kw)
+        out.append((opt.normalizer, opt.noise is not None))
+    return out
+
+
+def test_auto_normalizer_is_measured_where_the_window_covers_under_half_the_shard() -> None:
+    res = run_ranks(_rank_auto_normalizer, 2, timeout=60, op_timeout=30)
+    # 4-bit codes at 0.1 cover 75% of the shard per step; 1-bit codes at 0.01 25.6%; float32 values at 0.1 10%
+    assert res[0] == res[1] == [("debiased", False), ("measured", True), ("measured", True)]
 
 
 def _rank_bad(rank: int, ws: int) -> list[str]:
