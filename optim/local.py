@@ -34,8 +34,8 @@ dense AdamS, and the loss gap grows with training (``benchmarks/README.md``,
     estimated per coordinate from the rank's own gradient history, is taken
     out of the normalizer (at density 0.01 by default only as far as one tiny
     all_reduce per step measures that estimate to be noise across the ranks,
-    ``normalizer="measured"``, :mod:`optim.noise`). Between averages the replicas differ: evaluate or
-    save the model inside :meth:`LocalAdamS.averaged`, or call
+    ``normalizer="measured"``, :mod:`optim.noise`). Between averages the
+    replicas differ: evaluate or save the model inside :meth:`LocalAdamS.averaged`, or call
     :meth:`LocalAdamS.average_params` once training is over.
 
 :class:`optim.topk.TopKAdamS` (the suite's classic baseline, on :class:`optim.replicated.ReplicatedAdamS`)
@@ -223,12 +223,13 @@ class LocalAdamS(ReplicatedAdamS):
         """Fraction of the positions averaged per step (staggered) at the wire dtype's size."""
         self.period = max(1, round(1.0 / self.wire_density))
         """Steps between two dense averages (``periodic``)."""
+        narrow = self.wire_density < 0.5  # the window covers under half of each shard per step: the autos' switch
         if window_order == "auto":
-            window_order = "spread" if self.wire_density < 0.5 else "contiguous"
+            window_order = "spread" if narrow else "contiguous"
         self.window_order = window_order
         """The staggered window's order, ``"contiguous"`` or ``"spread"`` (``"auto"`` resolved)."""
         if normalizer == "auto":
-            normalizer = "measured" if self.wire_density < 0.5 else "debiased"
+            normalizer = "measured" if narrow else "debiased"
         self.normalizer = normalizer
         """``"debiased"``, ``"measured"`` or ``"local"`` (``"auto"`` resolved)."""
         super().__init__(
