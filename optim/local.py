@@ -24,9 +24,9 @@ dense AdamS, and the loss gap grows with training (``benchmarks/README.md``,
     all-reduce each), so every rank starts the local phase from the same,
     well-conditioned state. By default the window carries each rank's change
     since the last average in low-bit codes (:mod:`sparsecomm.quantized`:
-    :func:`auto_wire_bits` picks 4 bits at density 0.1 and 1 bit at 0.01, so
-    the window covers 7.5x and 25.6x the positions of float32 values for the
-    same bytes; what the codes drop is fed back, on each rank and at each
+    :func:`auto_wire_bits` picks 4 bits at density 0.1 and 1 bit at 0.01 for
+    the parameters alone, so the window covers 7.5x and 25.6x the positions of
+    float32 values for the same bytes; what the codes drop is fed back, on each rank and at each
     owner), and each rank's AdamS normalizer is *debiased*: a rank's gradient carries
     ``world_size`` times the noise of the averaged gradient dense AdamS
     normalizes by, which shrinks the steps of low-signal coordinates by up to
@@ -34,7 +34,15 @@ dense AdamS, and the loss gap grows with training (``benchmarks/README.md``,
     estimated per coordinate from the rank's own gradient history, is taken
     out of the normalizer (at density 0.01 by default only as far as one tiny
     all_reduce per step measures that estimate to be noise across the ranks,
-    ``normalizer="measured"``, :mod:`optim.noise`). Between averages the
+    ``normalizer="measured"``, :mod:`optim.noise`). Where the window covers
+    half of every shard per step or more (4-bit codes at 0.1), it carries each
+    rank's first moment's change since its last average too, in codes of the
+    same width (``average_moment``; :func:`auto_wire_bits` then picks 2 bits
+    at 0.1, so the same bytes average 95% of the positions of the parameters
+    alone): a rank whose gradient holds a rare large entry normalizes it by its
+    own first moment and moves that coordinate about ``1/world_size`` as far as
+    dense AdamS would; with the first moments shared every rank carries it on.
+    Between averages the
     replicas differ: evaluate or save the model inside :meth:`LocalAdamS.averaged`, or call
     :meth:`LocalAdamS.average_params` once training is over.
 
@@ -45,7 +53,8 @@ dense AdamS, and the loss gap grows with training (``benchmarks/README.md``,
     average of everyone's entries. The replicas stay identical.
 
 Memory: a full fp32 first moment on every rank (LocalAdamS's defaults add
-a second-moment EMA, the anchor and the owner's residual of the codes, or a
+a second-moment EMA, the anchor and the owner's residual of the codes, and with
+``average_moment`` the first moment's anchor and residual too, or a
 bfloat16 buffer in place of the residual with bfloat16 changes; TopKAdamS a residual),
 instead of SCAPE's ``1/world_size`` share. The parameter
 layout, gradient gathering and parameter following are those of
@@ -92,18 +101,21 @@ WIRE_DTYPES = (torch.float32, torch.bfloat16)
 NORMALIZERS = ("auto", "debiased", "measured", "local")
 
 
-def auto_wire_bits(density: float) -> int:
+def auto_wire_bits(density: float, buffers: int = 1) -> int:
     """LocalAdamS's code width at ``density``: the widest code whose window covers half of every shard per step.
 
-    The staggered window of ``b``-bit codes covers ``32 * density / (b + 0.25)``
-    of the positions per step. Where no code reaches half of them (density
-    below 0.035), 1 bit, the code that covers the most. In the convergence
+    The staggered window of ``b``-bit codes covers ``32 * density / (buffers * (b + 0.25))``
+    of the positions per step, where ``buffers`` is 2 when the window carries the
+    first moment's changes too (``average_moment``). Where no code reaches half of
+    them (density below 0.035 with one buffer), 1 bit, the code that covers the most. In the convergence
     suite the replicas' drift between two averages of a position cost more
     than the codes' coarseness until positions were averaged about every
     other step (``benchmarks/README.md``).
     """
+    if buffers not in (1, 2):
+        raise ValueError(f"Invalid buffers: {buffers!r} (must be 1 or 2)")
     for bits in sorted(QUANT_BITS, reverse=True):
-        if 32.0 * density / Quantizer(bits=bits).bits_per_value() >= 0.5:
+        if 32.0 * density / (buffers * Quantizer(bits=bits).bits_per_value()) >= 0.5:
             return bits
     return min(QUANT_BITS)
 
@@ -132,7 +144,8 @@ class LocalAdamS(ReplicatedAdamS):
             themselves (no anchor). The default is the better of the two in
             the worst case of the convergence suite (``benchmarks/README.md``).
         wire_bits: ``"auto"`` (default): :func:`auto_wire_bits` of the density
-            (4 bits at 0.1, 1 bit at 0.01), or float32 values when
+            and of ``average_moment`` (2 bits at 0.1, where the first moment
+            travels too; 1 bit at 0.01), or float32 values when
             ``wire_dtype`` is float32. 1, 2, 4 or 8: the changes since the last average travel as
             ``wire_bits``-bit codes with a bfloat16 scale per 64 values
             (:class:`sparsecomm.quantized.Quantizer`), averaged by each shard's
@@ -171,6 +184,22 @@ class LocalAdamS(ReplicatedAdamS):
             0.1): in the convergence suite spread was better in the worst case
             at 0.01 and worse at 0.1 (``benchmarks/README.md``).
 
+        average_moment: ``True``: the window (or the periodic average) carries
+            each rank's first moment's change since its last average beside
+            the parameters', in the same codes (one more
+            :func:`sparsecomm.quantized.quantized_all_reduce` per step), so the
+            ranks share their first moments at the positions they average;
+            for the same bytes a step averages half the positions of the
+            parameters alone at a given code width. Needs ``wire_bits`` codes;
+            two more full fp32 vectors (the first moment's anchor and the
+            owner's residual, ``exp_avg_anchor`` and ``exp_avg_wire_residual``
+            in snapshots). ``"auto"`` (default): on where the window of the
+            parameters' codes alone covers half of every shard per step or more
+            (density 0.1: 2-bit codes of both, 71% of the positions per step,
+            against 75% with 4-bit codes of the parameters alone), off
+            elsewhere (1-bit codes at 0.01): the worst case over the
+            convergence suite at each density (``benchmarks/README.md``).
+
     Raises:
         ValueError: Bad arguments (before any communication, the same on every rank).
     """
@@ -193,6 +222,7 @@ class LocalAdamS(ReplicatedAdamS):
         wire_bits: int | str | None = "auto",
         normalizer: str = "auto",
         window_order: str = "auto",
+        average_moment: bool | str = "auto",
         wd_min_ndim: int = 2,
     ) -> None:
         if schedule not in LOCAL_SCHEDULES:
@@ -203,27 +233,42 @@ class LocalAdamS(ReplicatedAdamS):
             raise ValueError(f"Invalid window_order: {window_order!r} (must be one of {WINDOW_ORDERS})")
         if wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"Invalid wire_dtype: {wire_dtype!r} (must be one of {WIRE_DTYPES})")
+        if average_moment not in ("auto", True, False):
+            raise ValueError(f"Invalid average_moment: {average_moment!r} (must be 'auto', True or False)")
         self.schedule = schedule
         self.wire_dtype = wire_dtype
         self.quantizer: Quantizer | None = None
         """The encoding of the changes when ``wire_bits`` is set."""
         scale = float(torch.finfo(torch.float32).bits // torch.finfo(wire_dtype).bits)
-        if wire_bits == "auto":
+        auto_bits = wire_bits == "auto"
+        if auto_bits:
             wire_bits = None if wire_dtype == torch.float32 else auto_wire_bits(check_density(density))
         if isinstance(wire_bits, str):
             raise ValueError(f"Invalid wire_bits: {wire_bits!r} (must be 'auto', None or one of {QUANT_BITS})")
-        self.wire_bits = wire_bits
-        """The code width of the changes (``None``: ``wire_dtype`` values)."""
         if wire_bits is not None:
             if wire_dtype == torch.float32:
                 raise ValueError("wire_bits encodes the changes since the last average: use wire_dtype=torch.bfloat16")
+            scale = torch.finfo(torch.float32).bits / Quantizer(bits=wire_bits).bits_per_value()
+        # the window of the parameters' changes alone covers under half of each shard per step: the autos' switch
+        narrow = check_density(density) * scale < 0.5
+        if average_moment == "auto":
+            average_moment = wire_bits is not None and not narrow
+        if average_moment and wire_bits is None:
+            raise ValueError("average_moment sends the first moment's changes in codes: set wire_bits")
+        self.average_moment = bool(average_moment)
+        """Whether the window carries the first moment's changes beside the parameters' (``"auto"`` resolved)."""
+        buffers = 2 if self.average_moment else 1
+        if self.average_moment and auto_bits:
+            wire_bits = auto_wire_bits(density, buffers)
+        self.wire_bits = wire_bits
+        """The code width of the changes (``None``: ``wire_dtype`` values)."""
+        if wire_bits is not None:
             self.quantizer = Quantizer(bits=wire_bits)
-            scale = torch.finfo(torch.float32).bits / self.quantizer.bits_per_value()
-        self.wire_density = min(1.0, check_density(density) * scale)
-        """Fraction of the positions averaged per step (staggered) at the wire dtype's size."""
+            scale = torch.finfo(torch.float32).bits / (buffers * self.quantizer.bits_per_value())
+        self.wire_density = min(1.0, density * scale)
+        """Fraction of the positions averaged per step (staggered) at the wire's size per position."""
         self.period = max(1, round(1.0 / self.wire_density))
         """Steps between two dense averages (``periodic``)."""
-        narrow = self.wire_density < 0.5  # the window covers under half of each shard per step: the autos' switch
         if window_order == "auto":
             window_order = "spread" if narrow else "contiguous"
         self.window_order = window_order
@@ -246,7 +291,8 @@ class LocalAdamS(ReplicatedAdamS):
             wd_min_ndim=wd_min_ndim,
             config=f"LocalAdamS|{schedule}|{wire_dtype}|{normalizer}"
             + ("|spread" if window_order == "spread" else "")
-            + ("" if wire_bits is None else f"|int{wire_bits}"),
+            + ("" if wire_bits is None else f"|int{wire_bits}")
+            + ("|moment" if self.average_moment else ""),
         )
         b = self._bucket
         self.k = k_for(b.numel, b.world_size, self.wire_density)
@@ -261,6 +307,8 @@ class LocalAdamS(ReplicatedAdamS):
             self._anchor = self._flat.clone()
             if self.quantizer is None:
                 self._delta = torch.zeros(b.padded_numel, dtype=wire_dtype, device=self._flat.device)
+        self._moment_anchor = self._m.clone() if self.average_moment else None
+        self._moment_residual = b.new_flat() if self.average_moment else None
 
     def _extra_moments(self) -> dict[str, Tensor]:
         return {} if self._s is None else {"exp_avg_sq": self._s}
@@ -315,11 +363,19 @@ class LocalAdamS(ReplicatedAdamS):
         return self.schedule == "staggered" or (t + 1 - self.warmup_steps) % self.period == 0
 
     def _run(self, t: int) -> None:
-        if self._anchor is not None and t < self.warmup_steps:
-            super()._run(t)
-            self._anchor.copy_(self._flat)  # the replicas are identical during the warm-up
-            return
         super()._run(t)
+        if t < self.warmup_steps:  # the replicas and first moments are identical during the warm-up
+            for buf, anchor, _ in self._anchored():
+                anchor.copy_(buf)
+
+    def _anchored(self) -> list[tuple[Tensor, Tensor, Tensor | None]]:
+        """``(buffer, its last average, the owner's residual of its codes)`` for what the window averages as changes."""
+        out: list[tuple[Tensor, Tensor, Tensor | None]] = []
+        if self._anchor is not None:
+            out.append((self._flat, self._anchor, self._residual))
+        if self._moment_anchor is not None:
+            out.append((self._m, self._moment_anchor, self._moment_residual))
+        return out
 
     def _average(self, t: int) -> None:
         p = self._bucket.world_size
@@ -329,8 +385,10 @@ class LocalAdamS(ReplicatedAdamS):
         if not self.is_average_step(t) or p == 1:
             return  # one rank: nothing to average (and no bfloat16 rounding of its own changes)
         n, flat, anchor = self._bucket.numel, self._flat, self._anchor
-        if self.quantizer is not None and self._residual is not None and anchor is not None:
-            self._average_codes(t, self.quantizer, self._residual, anchor)
+        if self.quantizer is not None:
+            for buf, last, residual in self._anchored():  # the parameters, then (average_moment) the first moment
+                assert residual is not None
+                self._average_codes(t, self.quantizer, buf, last, residual)
             return
         if anchor is None or self._delta is None:
             if self.schedule == "periodic":
@@ -354,9 +412,9 @@ class LocalAdamS(ReplicatedAdamS):
         anchor.index_copy_(0, pos, averaged)
         flat.index_copy_(0, pos, averaged)
 
-    def _average_codes(self, t: int, quantizer: Quantizer, residual: Tensor, anchor: Tensor) -> None:
-        """Average the changes since the anchor in ``quantizer``'s codes; each rank keeps its own encoding error."""
-        flat, own = self._flat, self._bucket.own_slice(residual)
+    def _average_codes(self, t: int, quantizer: Quantizer, flat: Tensor, anchor: Tensor, residual: Tensor) -> None:
+        """Average ``flat``'s changes since ``anchor`` in ``quantizer``'s codes; each rank keeps its encoding error."""
+        own = self._bucket.own_slice(residual)
         if self.schedule == "periodic":
             change = flat - anchor
             error = quantized_all_reduce(self._comm, change, quantizer, residual=own)
@@ -398,6 +456,9 @@ class LocalAdamS(ReplicatedAdamS):
             out["anchor"] = self._anchor
         if self._residual is not None:
             out["wire_residual"] = self._residual
+        if self._moment_anchor is not None and self._moment_residual is not None:
+            out["exp_avg_anchor"] = self._moment_anchor
+            out["exp_avg_wire_residual"] = self._moment_residual
         return out
 
     def _check_shard(self, what: str, sh: dict[str, Any]) -> None:

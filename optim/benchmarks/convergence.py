@@ -60,6 +60,8 @@ METHODS = (
     "local-int1",
     "local-contiguous",
     "local-spread",
+    "local-moment",
+    "local-nomoment",
     "local-debiased",
     "local-measured",
     "local-plain",
@@ -118,6 +120,18 @@ _METHOD_OVERRIDES: dict[str, dict[str, Any]] = {
         "local_normalizer": "debiased",
         "local_window_order": "spread",
     },
+    "local-moment": {
+        "optimizer": "local-adams",
+        "local_schedule": "staggered",
+        "local_wire": "auto",
+        "local_moment": "on",
+    },
+    "local-nomoment": {
+        "optimizer": "local-adams",
+        "local_schedule": "staggered",
+        "local_wire": "auto",
+        "local_moment": "off",
+    },
     "local-debiased": {
         "optimizer": "local-adams",
         "local_schedule": "staggered",
@@ -158,6 +172,11 @@ _METHOD_OVERRIDES: dict[str, dict[str, Any]] = {
     },
     "topk": {"optimizer": "topk-adams"},
 }
+
+
+for _name, _ov in _METHOD_OVERRIDES.items():  # the variants measured before average_moment: as they ran
+    if _ov["optimizer"] == "local-adams" and _name not in ("local", "local-moment"):
+        _ov.setdefault("local_moment", "off")
 
 
 def convergence_variants(

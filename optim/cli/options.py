@@ -10,7 +10,7 @@ from typing import Any
 from optim.benchmarks.output import write_bench_json
 from optim.local import LOCAL_SCHEDULES, NORMALIZERS, WINDOW_ORDERS
 from optim.scape import MASK_SCORES, UNSELECTED_POLICIES
-from optim.train_job.config import LOCAL_WIRES, TrainConfig
+from optim.train_job.config import LOCAL_MOMENTS, LOCAL_WIRES, TrainConfig
 from optim.train_job.tasks import ARCHS, CORPORA, TASKS
 
 __all__ = ["add_model_options", "add_scape_options", "densities_arg", "model_settings", "scape_settings"]
@@ -87,6 +87,14 @@ def add_scape_options(p: argparse.ArgumentParser, d: TrainConfig) -> None:
         help="LocalAdamS: the staggered window through the shard in order (contiguous), spread over every tensor, "
         "or spread where it covers less than half of the shard per step (auto)",
     )
+    p.add_argument(
+        "--local-moment",
+        choices=tuple(LOCAL_MOMENTS),
+        default=d.local_moment,
+        help="LocalAdamS: the window averages the first moment's changes beside the parameters' (on), in the "
+        "same bytes (half the positions per step), or not (off); auto: on where the parameters' codes alone "
+        "cover at least half of the shard per step",
+    )
     p.add_argument("--mask-delay", type=int, default=d.mask_delay, help="SCAPE: mask delay D")
     p.add_argument("--unselected", choices=UNSELECTED_POLICIES, default=d.unselected, help="SCAPE: unselected policy")
     p.add_argument("--error-feedback", action="store_true", help="SCAPE: keep the unsent gradient as a residual")
@@ -124,6 +132,7 @@ def scape_settings(args: argparse.Namespace) -> dict[str, Any]:
         "local_wire": args.local_wire,
         "local_normalizer": args.local_normalizer,
         "local_window_order": args.local_window_order,
+        "local_moment": args.local_moment,
         "mask_delay": args.mask_delay,
         "unselected": args.unselected,
         "error_feedback": args.error_feedback,

@@ -30,6 +30,10 @@ LOCAL_WIRES = ("auto", "float32", "bfloat16", "int8", "int4", "int2", "int1")
 bfloat16 changes, or changes in ``intB`` codes (``wire_bits=B``)."""
 
 
+LOCAL_MOMENTS = {"auto": "auto", "on": True, "off": False}
+"""Choices of ``TrainConfig.local_moment``, as LocalAdamS's ``average_moment``."""
+
+
 def _local_wire_kwargs(wire: str) -> dict[str, Any]:
     if wire == "auto":
         return {"wire_dtype": "bfloat16", "wire_bits": "auto"}
@@ -60,6 +64,7 @@ class TrainConfig:
     local_wire: str = "auto"  # LocalAdamS: one of LOCAL_WIRES (auto codes, float32 values, bfloat16 or intB changes).
     local_normalizer: str = "auto"  # LocalAdamS: auto | debiased | measured | local (see optim.LocalAdamS).
     local_window_order: str = "auto"  # LocalAdamS: auto | contiguous | spread staggered window.
+    local_moment: str = "auto"  # LocalAdamS: auto | on | off: the window carries the first moment's changes too.
     unselected: str = "decay_m"  # SCAPE: policy of unselected coordinates (freeze | decay_m).
     error_feedback: bool = False  # SCAPE: keep the unsent gradient as a local residual.
     refresh_every: int = 0  # SCAPE: every this many steps a dense step (0: never).
@@ -106,6 +111,8 @@ class TrainConfig:
             raise ValueError(f"local_normalizer must be one of {NORMALIZERS}, got {self.local_normalizer!r}")
         if self.local_window_order not in WINDOW_ORDERS:
             raise ValueError(f"local_window_order must be one of {WINDOW_ORDERS}, got {self.local_window_order!r}")
+        if self.local_moment not in LOCAL_MOMENTS:
+            raise ValueError(f"local_moment must be one of {tuple(LOCAL_MOMENTS)}, got {self.local_moment!r}")
         if self.local_schedule not in LOCAL_SCHEDULES:
             raise ValueError(f"local_schedule must be one of {LOCAL_SCHEDULES}, got {self.local_schedule!r}")
         if self.unselected not in UNSELECTED_POLICIES:
@@ -174,6 +181,7 @@ class TrainConfig:
                 **_local_wire_kwargs(self.local_wire),
                 "normalizer": self.local_normalizer,
                 "window_order": self.local_window_order,
+                "average_moment": LOCAL_MOMENTS[self.local_moment],
             }
         if self.optimizer == "topk-adams":
             return {"density": self.density, "warmup_steps": self.sparse_warmup_steps}

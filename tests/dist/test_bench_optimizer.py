@@ -77,19 +77,21 @@ def test_optimizer_bench_structure_and_sanity() -> None:
     for d in ("0.1", "0.01"):  # where the mask piece is built moves no byte
         assert rows[f"scape@{d}/inline"]["wire_bytes_per_step_by_op"] == rows[f"scape@{d}"]["wire_bytes_per_step_by_op"]
 
-    # LocalAdamS: master shard plus full-size m, normalizer statistic, anchor and code residual;
-    # its codes move fewer bytes at 0.01.
+    # LocalAdamS: master shard plus full-size m, normalizer statistic, anchor and code residual, and at 0.1
+    # (average_moment) the first moment's anchor and code residual; its codes move fewer bytes at 0.01.
     padded = 2 * shard
     for d in ("0.1", "0.01"):
         r = rows[f"local@{d}"]
+        moment = {"exp_avg_anchor": 4 * padded, "exp_avg_wire_residual": 4 * padded} if d == "0.1" else {}
         assert r["state_bytes_by_part"] == {
             "master": 4 * shard,
             "exp_avg": 4 * padded,
             "exp_avg_sq": 4 * padded,
             "anchor": 4 * padded,
             "wire_residual": 4 * padded,
+            **moment,
         }
-        assert r["state_bytes_per_rank"] == [4 * shard + 16 * padded] * 2
+        assert r["state_bytes_per_rank"] == [4 * shard + (16 + 4 * len(moment)) * padded] * 2
         assert {"quantized_all_reduce"} <= set(r["wire_bytes_per_step_by_op"])
         assert 0 < r["wire_bytes_per_step"] < rows["adams"]["wire_bytes_per_step"]
         assert r["step_ms"] > 0 and r["opt_step_ms"] <= r["step_ms"]

@@ -56,6 +56,16 @@ def _make(kind: str, params: object, density: float) -> torch.optim.Optimizer:
         return LocalAdamS(
             params, schedule="staggered", wire_dtype=torch.float32, normalizer="local", window_order="spread", **kw
         )
+    if kind.endswith("-moment"):
+        return LocalAdamS(
+            params,
+            schedule=kind[:-7],
+            wire_bits=8,
+            average_moment=True,
+            normalizer="local",
+            window_order="contiguous",
+            **kw,
+        )
     if kind.endswith("-int4"):
         return LocalAdamS(
             params, schedule=kind[:-5], wire_bits=4, normalizer="local", window_order="contiguous", **kw
@@ -69,7 +79,7 @@ def _rank_run(rank: int, ws: int, kind: str, density: float) -> dict:
     model = _model()
     opt = _make(kind, model.parameters(), density)
     stats = opt.communicator.stats
-    flats, windows, sent, anchors = [], [], [], []
+    flats, windows, sent, anchors, moments, moment_anchors = [], [], [], [], [], []
     for t in range(STEPS):
         before = stats.as_dict()
         opt.zero_grad()
@@ -79,6 +89,10 @@ def _rank_run(rank: int, ws: int, kind: str, density: float) -> dict:
         sent.append({op: after[op]["bytes_sent"] - before.get(op, {"bytes_sent": 0})["bytes_sent"] for op in after})
         flats.append(_flat(model).tolist())
         anchors.append(None if getattr(opt, "anchor", None) is None else opt.anchor[: opt.bucket.numel].tolist())
+        state = getattr(opt, "replica_state", {})
+        if "exp_avg_anchor" in state:
+            moments.append(state["exp_avg"][: opt.bucket.numel].tolist())
+            moment_anchors.append(state["exp_avg_anchor"][: opt.bucket.numel].tolist())
         if kind.startswith("staggered") and t >= WARM:
             windows.append(opt.window(t).global_indices().tolist())
     avg = None
@@ -93,6 +107,8 @@ def _rank_run(rank: int, ws: int, kind: str, density: float) -> dict:
     return {
         "flats": flats,
         "anchors": anchors,
+        "moments": moments,
+        "moment_anchors": moment_anchors,
         "windows": windows,
         "cover": cover,
         "sent": sent,
@@ -104,8 +120,13 @@ def _rank_run(rank: int, ws: int, kind: str, density: float) -> dict:
     }
 
 
-def _reference_local(ws: int, kind: str, density: float, k: int, shard: int, windows: list) -> list[list[torch.Tensor]]:
-    """One AdamS per rank on its own batches; window (or periodic) averages; the warm-up averages gradients."""
+def _reference_local(
+    ws: int, kind: str, density: float, k: int, shard: int, windows: list, *, moment: bool = False
+) -> list[list[torch.Tensor]]:
+    """One AdamS per rank on its own batches; window (or periodic) averages; the warm-up averages gradients.
+
+    ``moment``: the first moments are averaged at the same positions as the parameters.
+    """
     from optim import AdamS
 
     models = [_model() for _ in range(ws)]
@@ -136,6 +157,12 @@ def _reference_local(ws: int, kind: str, density: float, k: int, shard: int, win
             for f, m in zip(flats, models, strict=True):
                 f[pos] = mean
                 torch.nn.utils.vector_to_parameters(f, m.parameters())
+            if moment:
+                ms = [torch.cat([o.state[p]["exp_avg"].reshape(-1) for p in m.parameters()]) for o, m in zip(opts, models)]
+                mean = torch.stack([x[pos] for x in ms]).sum(0) / ws
+                for x, o, m in zip(ms, opts, models, strict=True):
+                    x[pos] = mean
+                    torch.nn.utils.vector_to_parameters(x, [o.state[p]["exp_avg"] for p in m.parameters()])
         out.append([f.clone() for f in flats])
     return out
 
@@ -310,6 +337,8 @@ def _rank_bad(rank: int, ws: int) -> list[str]:
         lambda: LocalAdamS(m.parameters(), window_order="random"),
         lambda: LocalAdamS(m.parameters(), wire_bits=3),
         lambda: LocalAdamS(m.parameters(), wire_bits=4, wire_dtype=torch.float32),
+        lambda: LocalAdamS(m.parameters(), average_moment="yes"),
+        lambda: LocalAdamS(m.parameters(), average_moment=True, wire_bits=None),
         lambda: TopKAdamS(m.parameters(), density=True),
         lambda: LocalAdamS(m.parameters(), density=0.1 if rank == 0 else 0.2),  # differs between ranks
     ):
@@ -325,8 +354,8 @@ def test_bad_arguments_raise_the_same_everywhere() -> None:
     res = run_ranks(_rank_bad, 2, timeout=60, op_timeout=30)
     for msgs in res:
         assert all(m != "ok" for m in msgs), msgs
-    assert res[0][:8] == res[1][:8]
-    assert "differ between ranks" in res[0][8] and "differ between ranks" in res[1][8]
+    assert res[0][:10] == res[1][:10]
+    assert "differ between ranks" in res[0][10] and "differ between ranks" in res[1][10]
 
 
 @pytest.mark.parametrize("kind", ["staggered-bf16", "periodic-bf16"])
@@ -392,6 +421,70 @@ def test_int4_wire_averages_more_positions_and_keeps_what_it_drops(kind: str) ->
         else:
             averaged = (t + 1 - WARM) % period == 0
             assert sent.get("quantized_all_reduce", 0) == (2 * (ws - 1) * code_bytes(shard) if averaged else 0), t
+
+
+@pytest.mark.parametrize("kind", ["staggered-moment", "periodic-moment"])
+def test_average_moment_carries_the_first_moments_in_the_same_bytes(kind: str) -> None:
+    """average_moment: the window averages the first moments' changes too, half the positions for the same bytes."""
+    from sparsecomm.quantized import Quantizer
+
+    ws, density = 2, 0.1
+    res = run_ranks(_rank_run, ws, kind, density, timeout=120, op_timeout=60)
+    k, shard, numel = res[0]["k"], res[0]["shard"], res[0]["numel"]
+    wire_density = density * 32 / (2 * 8.25)  # two buffers' 8-bit codes per position
+    assert k == math.ceil(wire_density * numel / ws)
+    schedule = kind[: -len("-moment")]
+    period = round(1 / wire_density)  # 5
+    windows = res[0]["windows"]
+    ref = _reference_local(ws, schedule, wire_density, k, shard, windows, moment=True)
+    alone = _reference_local(ws, schedule, wire_density, k, shard, windows)  # the parameters alone averaged
+    code_bytes = Quantizer(bits=8).encoded_bytes
+    for t in range(STEPS):
+        got = [torch.tensor(r["flats"][t]) for r in res]
+        for name in ("anchors", "moment_anchors"):
+            assert torch.equal(torch.tensor(res[0][name][t]), torch.tensor(res[1][name][t])), (name, t)
+        for r in range(ws):
+            err = (got[r] - ref[t][r]).abs()
+            # each rank keeps what the codes dropped in its parameters and first moment: a small lag, no drift
+            assert err.mean() < 2e-3 and err.max() < 0.01, (t, r, err.mean(), err.max())
+        if t < WARM:
+            assert res[0]["moments"][t] == res[1]["moments"][t]  # averaged gradients: the same first moments
+            continue
+        sent = res[0]["sent"][t]
+        if schedule == "staggered":
+            pos = torch.tensor([i for i in windows[t - WARM] if i < numel])
+            for r in range(ws):  # a first moment is its anchor plus its own encoding error at the averaged positions
+                m, anchor = torch.tensor(res[r]["moments"][t]), torch.tensor(res[r]["moment_anchors"][t])
+                assert (m[pos] - anchor[pos]).abs().max() < 0.01 * m.abs().max(), (t, r)
+            assert sent["quantized_all_reduce"] == 2 * 2 * (ws - 1) * code_bytes(k)  # parameters, first moments
+        else:
+            averaged = (t + 1 - WARM) % period == 0
+            assert sent.get("quantized_all_reduce", 0) == (4 * (ws - 1) * code_bytes(shard) if averaged else 0), t
+        assert {op for op, v in sent.items() if v} <= {"quantized_all_reduce"}
+    # by the end the run is far nearer the reference that averages the first moments than the one that does not
+    for r in range(ws):
+        last = torch.tensor(res[r]["flats"][-1])
+        assert (last - ref[-1][r]).abs().mean() < 0.1 * (last - alone[-1][r]).abs().mean(), r
+
+
+def _rank_auto_moment(rank: int, ws: int) -> list[tuple[bool, int | None, float]]:
+    from optim import LocalAdamS
+
+    out = []
+    for kw in ({"density": 0.1}, {"density": 0.01}, {"density": 0.1, "wire_bits": 4}, {"density": 0.1, "wire_dtype": torch.float32}):
+        opt = LocalAdamS(_model().parameters(), **kw)
+        out.append((opt.average_moment, opt.wire_bits, round(opt.wire_density, 4)))
+    return out
+
+
+def test_average_moment_auto_is_on_where_the_window_of_the_parameters_alone_covers_half_the_shard() -> None:
+    res = run_ranks(_rank_auto_moment, 2, timeout=60, op_timeout=30)
+    assert res[0] == res[1] == [
+        (True, 2, round(0.1 * 32 / (2 * 2.25), 4)),  # 2-bit codes of both buffers cover 71% of the shard per step
+        (False, 1, round(0.01 * 32 / 1.25, 4)),
+        (True, 4, round(0.1 * 32 / (2 * 4.25), 4)),  # the code width given: half the positions
+        (False, None, 0.1),
+    ]
 
 
 def _rank_written(rank: int, ws: int) -> dict:
