@@ -328,6 +328,7 @@ def debiased_adams_step_(
     step: int,
     world_size: float,
     var_sum: Tensor | None = None,
+    shared_moment: bool = False,
 ) -> None:
     """AdamS on one rank's own gradient with ``(1 - 1/P)`` of its estimated noise out of the normalizer, in place.
 
@@ -350,6 +351,9 @@ def debiased_adams_step_(
             across ranks, see :class:`optim.noise.NoiseScale`).
         var_sum: A float64 scalar to which the sum of the estimated variance
             over these coordinates is added (``None``: not summed).
+        shared_moment: The first moment is averaged across the ranks (LocalAdamS's
+            ``average_moment``), so it carries no excess noise: only the
+            gradient's term of the normalizer is debiased.
     """
     c = 1.0 - beta1**step
     c2 = 1.0 - beta2**step
@@ -366,7 +370,8 @@ def debiased_adams_step_(
         torch.div(ss, c2, out=var).sub_(prev2).clamp_(min=0.0)
         if var_sum is not None:
             var_sum.add_(var.sum(dtype=torch.float64))
-        prev2.sub_(torch.mul(var, carried, out=tmp)).clamp_(min=0.0)
+        if not shared_moment:
+            prev2.sub_(torch.mul(var, carried, out=tmp)).clamp_(min=0.0)
         torch.mul(g, g, out=g2).sub_(torch.mul(var, excess, out=tmp))
         torch.maximum(g2, torch.div(var, world_size, out=tmp), out=g2)
         nu = prev2.mul_(beta2).add_(g2, alpha=1.0 - beta2)

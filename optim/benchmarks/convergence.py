@@ -72,7 +72,9 @@ METHODS = (
 )
 """Sparse methods a convergence run can compare, each at every density: SCAPE; LocalAdamS with its
 defaults (``local``: staggered window of changes in the codes of :func:`optim.local.auto_wire_bits`,
-``window_order="auto"``, ``normalizer="auto"``); the defaults with the debiased or the measured
+``window_order="auto"``, ``normalizer="auto"``, ``average_moment="auto"``); the defaults with the first
+moments averaged at every density or at none (``local-moment``, ``local-nomoment``: the defaults before
+``average_moment``); the rest without them: the defaults with the debiased or the measured
 normalizer at every density (``local-debiased``, ``local-measured``); with the debiased normalizer and in the
 window's own order (contiguous) unless the name says otherwise: with ``B``-bit codes at every density
 (``local-intB``), with bfloat16 changes (``local-bf16``, the defaults before the codes), either order at

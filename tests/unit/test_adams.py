@@ -540,13 +540,14 @@ def test_tiny_regression_converges() -> None:
     assert loss.item() < 1e-4 * first
 
 
-def _debiased_reference(w, m, s, g, *, lr, beta1, beta2, eps, wd, step, p):  # type: ignore[no-untyped-def]
+def _debiased_reference(w, m, s, g, *, lr, beta1, beta2, eps, wd, step, p, shared=False):  # type: ignore[no-untyped-def]
     """The debiased step as whole-tensor arithmetic (what the chunked version must equal bit for bit)."""
     c = 1.0 - beta1**step
     excess = 1.0 - 1.0 / p
     m_prev2 = (m / c).square_()
     var = (s / (1.0 - beta2**step)).sub_(m_prev2).clamp_(min=0.0)
-    m_prev2.sub_(var * (excess * (1.0 - beta1) / (1.0 + beta1))).clamp_(min=0.0)
+    if not shared:  # a first moment averaged across the ranks keeps all of its square
+        m_prev2.sub_(var * (excess * (1.0 - beta1) / (1.0 + beta1))).clamp_(min=0.0)
     g2 = torch.maximum(g * g - excess * var, var / p)
     nu = m_prev2.mul_(beta2).add_(g2, alpha=1.0 - beta2)
     m.lerp_(g, 1.0 - beta1)
@@ -557,15 +558,16 @@ def _debiased_reference(w, m, s, g, *, lr, beta1, beta2, eps, wd, step, p):  # t
 
 @pytest.mark.parametrize("n", [1, 1000, (1 << 18) * 2 + 123])
 @pytest.mark.parametrize("wd", [0.0, 0.1])
-def test_debiased_step_in_chunks_equals_whole_tensor_arithmetic(n: int, wd: float) -> None:
+@pytest.mark.parametrize("shared", [False, True])
+def test_debiased_step_in_chunks_equals_whole_tensor_arithmetic(n: int, wd: float, shared: bool) -> None:
     gen = torch.Generator().manual_seed(n)
     w, m, g = (torch.randn(n, generator=gen) for _ in range(3))
     s = m * m + torch.rand(n, generator=gen)  # an EMA of g**2 at or above m**2, mostly
     s[: n // 3] *= 0.5  # and below it in places: the clamps engage
     kw = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "step": 7}
     w2, m2 = w.clone(), m.clone()
-    _debiased_reference(w2, m2, s.clone(), g, wd=wd, p=4, **kw)
-    debiased_adams_step_(w, m, s, g, weight_decay=wd, world_size=4, **kw)
+    _debiased_reference(w2, m2, s.clone(), g, wd=wd, p=4, shared=shared, **kw)
+    debiased_adams_step_(w, m, s, g, weight_decay=wd, world_size=4, shared_moment=shared, **kw)
     assert torch.equal(w, w2) and torch.equal(m, m2)
 
 
