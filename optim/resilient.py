@@ -81,7 +81,7 @@ from optim.resilient_config import BadStepsError, EventHook, ResilientConfig, St
 from optim.sharded import _ShardedOptimizer
 from optim.snapshot import UnrecoverableStateError
 from optim.step_health import StragglerDetector, exchange_step_reports
-from resilient_comm import FaultAwareCommunicator, Reconfiguration
+from resilient_comm import FaultAwareCommunicator, Reconfiguration, StaleEpochError
 
 __all__ = ["BadStepsError", "ResilientConfig", "ResilientTraining", "Stateful", "UnrecoverableStateError"]
 
@@ -159,7 +159,9 @@ class ResilientTraining:
         self._init_state = {name: ts.copy_tensors(obj.state_dict()) for name, obj in state.items()}
         if communicator is None:
             cfg = self.config
-            communicator = FaultAwareCommunicator.connect(timeout=cfg.timeout, side_channel=cfg.snapshots)
+            communicator = FaultAwareCommunicator.connect(
+                timeout=cfg.timeout, side_channel=cfg.snapshots, max_rejoins=cfg.max_rejoins
+            )
             dist.init_process_group(communicator=communicator)
         self.comm = communicator
         self._store: CheckpointStore | None = None
@@ -320,11 +322,13 @@ class ResilientTraining:
             self.stats = {**self._snaps.stats(), "checkpoints": self._store.written if self._store else []}
         self.close()
 
-    def close(self) -> None:
+    def close(self, *, ok: bool = True) -> None:
         """Stop the replication, the optimizer's background work and the communicator (local, idempotent).
 
         After :meth:`finish` the optimizer's collectives in flight are finished;
         on any other way out (an error) they are dropped, never waited for.
+        With ``ok=False`` (left by an exception) this member leaves as failed:
+        the job does not count its work as done.
         """
         self._snaps.stop()
         if self._store is not None:
@@ -335,13 +339,13 @@ class ResilientTraining:
                 opt.close()
             elif hasattr(opt, "abandon"):
                 opt.abandon()
-        self.comm.close()
+        self.comm.close(ok=ok)
 
     def __enter__(self) -> ResilientTraining:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        self.close(ok=kind is None)
 
     # ------------------------------------------------------------------ the step
     def _event(self, name: str, **fields: Any) -> None:
@@ -375,7 +379,7 @@ class ResilientTraining:
         if not isinstance(exc, PeerFailureError):
             return False
         self._event("failed", step=index, epoch=self.comm.epoch, error=str(exc)[:200])
-        self._next = self._recover_until_ok(self.comm.reconfigure())
+        self._next = self._recover_until_ok(self._reconfigure())
         return True
 
     def _committed(self, step: int) -> None:
@@ -469,7 +473,7 @@ class ResilientTraining:
             self._next = start + 1
         except PeerFailureError as exc:  # a member died before step 1: recover like at any step
             self._event("failed", step=0, epoch=comm.epoch, error=str(exc)[:200])
-            self._next = self._recover_until_ok(comm.reconfigure())
+            self._next = self._recover_until_ok(self._reconfigure())
 
     # ------------------------------------------------------------------ state
     def _tree(self, step: int) -> dict[str, Any]:
@@ -517,13 +521,33 @@ class ResilientTraining:
         self._load_common(tree)
 
     # ------------------------------------------------------------------ recovery
-    def _recover_until_ok(self, change: Reconfiguration) -> int:
-        while True:
+    def _reconfigure(self) -> Reconfiguration | None:
+        """The next epoch; for a member evicted while alive, the epoch that promotes it again (``None``: the job
+        ended without needing it). Collective over the survivors."""
+        try:
+            return self.comm.reconfigure()
+        except StaleEpochError as exc:
+            if not exc.rejoined:
+                raise
+            self._event("rejoined", member=self.comm.member, error=str(exc)[:200])
+        self._snaps.stop()
+        self._snaps.clear()  # a spare again: what it held belongs to an epoch that is gone
+        self._stragglers.reset()
+        if self._opt is not None and hasattr(self._opt, "abandon"):
+            self._opt.abandon()
+        change = self.comm.wait_for_promotion()
+        if change is not None:
+            self._event("promoted", epoch=change.epoch, rank=change.rank)
+        return change
+
+    def _recover_until_ok(self, change: Reconfiguration | None) -> int:
+        while change is not None:
             try:
                 return self._recover(change)
             except PeerFailureError as exc:  # another failure during recovery: next epoch
                 self._event("failed", step=-1, epoch=self.comm.epoch, error=str(exc)[:200])
-                change = self.comm.reconfigure()
+                change = self._reconfigure()
+        return self._next  # a spare again when the job ended: steps() yields no more
 
     def _recover(self, change: Reconfiguration | None) -> int:
         """Agree on the restore step, move lost snapshots, restore. Returns the next step. Collective."""

@@ -66,6 +66,10 @@ class ResilientConfig:
             rank 0 asks the coordinator to replace it by a spare, which happens
             when a spare is free (hot-swap; a straggler event either way). 0: off.
         straggler_window: Steps a straggler verdict is judged over (>= 3).
+        max_rejoins: Times this process, declared failed while alive (cut off
+            past the heartbeat timeout, hung, or replaced as a straggler),
+            registers again as a spare and waits to be given a slot; past
+            that it leaves the job with :class:`~resilient_comm.StaleEpochError`.
         resume: Start from the newest complete checkpoint in ``checkpoint_dir``
             (the same world size; every member checks every field and digest
             first, and all raise :class:`~optim.checkpoint.CheckpointError` when
@@ -83,6 +87,7 @@ class ResilientConfig:
     lossy_checkpoints: bool = False
     straggler_factor: float = 3.0
     straggler_window: int = 20
+    max_rejoins: int = 3
     resume: bool = False
 
     def __post_init__(self) -> None:
@@ -112,6 +117,9 @@ class ResilientConfig:
         window = self.straggler_window
         if isinstance(window, bool) or not isinstance(window, int) or window < 3:
             raise ValueError(f"straggler_window: must be an int >= 3, got {window!r}")
+        rejoins = self.max_rejoins
+        if isinstance(rejoins, bool) or not isinstance(rejoins, int) or rejoins < 0:
+            raise ValueError(f"max_rejoins: must be an int >= 0, got {rejoins!r}")
         if not isinstance(self.resume, bool):
             raise TypeError(f"resume: must be a bool, got {self.resume!r}")
         if self.checkpoint_dir is None:

@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 
@@ -72,6 +73,12 @@ class FaultAwareCommunicator(BaseCommunicator):
         side_channel: Also build a second transport per epoch (:attr:`side_channel`)
             for background traffic (snapshot replication) that must not be
             ordered with the main thread's collectives.
+        max_rejoins: A member declared failed while it was alive (cut off
+            longer than the heartbeat timeout, hung, or a straggler replaced)
+            learns so at its next :meth:`reconfigure`; if the job still runs it
+            registers again as a spare (:class:`StaleEpochError` with
+            ``rejoined=True``), up to this many times in the life of the
+            process. Past that it leaves the job (``rejoined=False``).
     """
 
     def __init__(
@@ -84,6 +91,7 @@ class FaultAwareCommunicator(BaseCommunicator):
         join_timeout: timedelta = timedelta(seconds=120),
         check_collectives: bool = False,
         side_channel: bool = False,
+        max_rejoins: int = 3,
     ) -> None:
         if not isinstance(membership, StoreMembership):
             raise TypeError(f"membership: expected a StoreMembership, got {type(membership).__name__}")
@@ -92,7 +100,10 @@ class FaultAwareCommunicator(BaseCommunicator):
         for name, v in (("configure_timeout", configure_timeout), ("join_timeout", join_timeout)):
             if not isinstance(v, timedelta) or v.total_seconds() <= 0:
                 raise ValueError(f"{name}: must be a positive datetime.timedelta, got {v!r}")
+        if isinstance(max_rejoins, bool) or not isinstance(max_rejoins, int) or max_rejoins < 0:
+            raise ValueError(f"max_rejoins: must be an int >= 0, got {max_rejoins!r}")
         super().__init__(0, 1, timeout=timeout, check_collectives=check_collectives)
+        self._max_rejoins = max_rejoins
         self._m = membership
         self._backend_name = backend
         self._configure_timeout = configure_timeout
@@ -125,6 +136,7 @@ class FaultAwareCommunicator(BaseCommunicator):
         configure_timeout: timedelta = timedelta(seconds=30),
         join_timeout: timedelta = timedelta(seconds=120),
         side_channel: bool = False,
+        max_rejoins: int = 3,
     ) -> FaultAwareCommunicator:
         """Register with the coordinator and (for an active member) join the first epoch.
 
@@ -156,6 +168,7 @@ class FaultAwareCommunicator(BaseCommunicator):
                 configure_timeout=configure_timeout,
                 join_timeout=join_timeout,
                 side_channel=side_channel,
+                max_rejoins=max_rejoins,
             )
         except BaseException:
             membership.leave()
@@ -259,9 +272,7 @@ class FaultAwareCommunicator(BaseCommunicator):
             slot = view.slot_of(self._m.index)
             if slot is None:
                 if was_member:
-                    raise StaleEpochError(
-                        f"member {self._m.index} was declared failed and is not part of epoch {view.epoch}"
-                    )
+                    self._evicted(view)
                 after_epoch = view.epoch  # a spare not (yet) promoted
                 continue
             self._m.watch(view.epoch, self._on_abort)
@@ -295,6 +306,31 @@ class FaultAwareCommunicator(BaseCommunicator):
             self._m.configured(view.epoch)
             logger.info("member %d: epoch %d, rank %d of %d", self._m.index, view.epoch, slot, view.world_size)
             return view
+
+    def _evicted(self, view: View) -> NoReturn:
+        """This member is not in ``view``: it was declared failed. Come back as a spare if allowed; always raises."""
+        old = self._m.index
+        what = f"member {old} was declared failed and is not part of epoch {view.epoch}"
+        if self._m.rejoins >= self._max_rejoins:
+            raise StaleEpochError(
+                f"{what}; evicted {self._m.rejoins + 1} times, more than max_rejoins: leaving the job"
+            )
+        with self._state_lock:
+            inner, side = self._inner, self._side
+            self._inner, self._side, self._view = None, None, None
+            self._rank, self._world_size = 0, 1
+        if inner is not None:
+            inner.abort()
+        if side is not None:
+            side.transport.abort()
+        REAPER.bury(None if inner is None else inner.release(), None if side is None else side.transport.release())
+        del inner, side
+        self._m.rejoin_as_spare()
+        raise StaleEpochError(
+            f"{what}; registered again as spare member {self._m.index} (rejoin {self._m.rejoins} of "
+            f"{self._max_rejoins}): call wait_for_promotion()",
+            rejoined=True,
+        )
 
     def _build(self, view: View, slot: int, channel: str = "") -> TorchCommunicator:
         """Build ``view``'s transport; give up at once if the epoch is aborted meanwhile.
@@ -331,7 +367,9 @@ class FaultAwareCommunicator(BaseCommunicator):
         Raises:
             MembershipError: Already reconfiguring in another thread, no quorum,
                 too few members left, or the job failed.
-            StaleEpochError: This member was declared failed (e.g. it was hung).
+            StaleEpochError: This member was declared failed (e.g. it was hung
+                or cut off); with ``rejoined`` it is a spare again
+                (:attr:`slot` is ``None``; go on with :meth:`wait_for_promotion`).
             CommTimeoutError: No epoch formed in time.
         """
         if self._view is None:
@@ -519,12 +557,17 @@ class FaultAwareCommunicator(BaseCommunicator):
     def _raw_abort(self) -> None:  # pragma: no cover - abort() is overridden
         pass
 
-    def close(self) -> None:
-        """Leave the job cleanly and release the transport. Idempotent."""
+    def close(self, *, ok: bool = True) -> None:
+        """Leave the job and release the transport. Idempotent.
+
+        Args:
+            ok: The work is done (the default); ``False``: leaving after an
+                error, which the coordinator treats as this member's failure.
+        """
         if self._closed:
             return
         self._closed = True
-        self._m.leave()
+        self._m.leave(ok)
         inner, side = self._inner, self._side
         groups = []
         if side is not None:

@@ -27,6 +27,12 @@ Protocol of one reconfiguration, from epoch ``e``:
    :func:`~resilient_comm.plan.plan_next_epoch`;
 6. members build the new transport under the store prefix ``ep{e+1}/`` and
    report ``configured``; a failure meanwhile starts the next round (``e + 2``).
+
+The job ends when every member of the current epoch has left cleanly (its
+work is done): the coordinator records it as completed and sets ``shutdown``,
+so that waiting spares return. Where a member of the final epoch failed
+instead, the job fails. Either way the control loop then waits (a bounded
+time) for every other process to leave and stops: :attr:`Coordinator.done`.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from bindings.etcd_store import EtcdStore
 from bindings.store import open_store
 from resilient_comm import keys
 from resilient_comm.auth import ControlStore, RecordError
+from resilient_comm.beacon import BeaconListener
 from resilient_comm.config import CoordinatorConfig
 from resilient_comm.errors import MembershipError
 from resilient_comm.events import EventLog
@@ -62,6 +69,10 @@ logger = logging.getLogger(__name__)
 
 class _JobFailed(Exception):
     """Internal: the job cannot continue (reason in the message)."""
+
+
+class _JobEnded(Exception):
+    """Internal: a standby saw the job end (nothing left to take over)."""
 
 
 class Coordinator:
@@ -89,6 +100,9 @@ class Coordinator:
         self._exits: queue.Queue[tuple[int, int]] = queue.Queue()
         self._lock = threading.Lock()
         self._leadership: Leadership | None = None
+        self._beacon: BeaconListener | None = None
+        self._done = threading.Event()
+        self._completed = False
         self._reset()
         self._failed: str | None = None
 
@@ -100,6 +114,7 @@ class Coordinator:
             self._view: View | None = None
         self._hb = Heartbeats(self.config.heartbeat_timeout.total_seconds())
         self._dead, self._left = set[int](), set[int]()  # members dead / gone cleanly
+        self._left_count = 0  # the members' leave counter when it was last read
         self._registrations: Inbox | None = None
         self._suspicions: Inbox | None = None
         self._refusals: Inbox | None = None
@@ -115,6 +130,7 @@ class Coordinator:
         if self._store is not None:
             raise RuntimeError("coordinator: already started")
         cfg = self.config
+        self._beacon = BeaconListener(cfg.host, cfg.job, cfg.secret)
         if cfg.store == "tcp":
             self._store = ControlStore(
                 open_store(cfg.host, cfg.port, server=True, timeout=timedelta(seconds=30)), cfg.secret
@@ -142,7 +158,13 @@ class Coordinator:
         if self.config.secret is not None:
             store.raw.set(keys.AUTH, keys.AUTH_HMAC.decode())
         store.set(keys.EPOCH, "-1")
+        self._publish_beacon()
         store.set(keys.JOB, self.config.job)
+
+    def _publish_beacon(self) -> None:
+        """Tell members where this coordinator takes datagram heartbeats."""
+        if self._store is not None and self._beacon is not None:
+            self._store.set(keys.BEACON, f"{self._host()}:{self._beacon.port}")
 
     def _take_over(self, observe: bool = False) -> None:
         """Begin as the active coordinator of a job kept in etcd: a new one, or one whose coordinator was lost.
@@ -171,8 +193,13 @@ class Coordinator:
         with self._lock:
             self._view, self._spares = state.view, list(state.spares)
         if observe:
+            if state.shutdown:
+                raise _JobEnded()
             return
         self._refusals.poll()  # logged by the coordinator they came to
+        self._publish_beacon()
+        if state.shutdown:  # the job ended under the coordinator before: see the last processes out
+            self._completed = self._store.raw.check([keys.COMPLETED]) if self._store is not None else False
         if state.reconfiguring:
             self._suspected.add(state.epoch)  # a reconfiguration was under way: finish it
         took = {"members": sorted(self._members), "spares": list(state.spares), "restore_s": time.monotonic() - t0}
@@ -193,6 +220,8 @@ class Coordinator:
         self._thread = None
         if self._leadership is not None:
             self._leadership.release()
+        if self._beacon is not None:
+            self._beacon.close()
         self._store = None
         self.log.close()
 
@@ -209,10 +238,11 @@ class Coordinator:
             raise RuntimeError("coordinator: not started")
         if self.config.store != "tcp":
             return self.config.store_address
+        return f"{self._host()}:{self._store.raw.port}"  # type: ignore[attr-defined]
+
+    def _host(self) -> str:
         host = self.config.host
-        if host in ("", "0.0.0.0", "::"):
-            host = socket.gethostname()
-        return f"{host}:{self._store.raw.port}"  # type: ignore[attr-defined]
+        return socket.gethostname() if host in ("", "0.0.0.0", "::") else host
 
     @property
     def job(self) -> str:
@@ -240,6 +270,21 @@ class Coordinator:
         """Why the job failed, or ``None``."""
         return self._failed
 
+    @property
+    def completed(self) -> bool:
+        """Whether the job ended because every member of its final epoch finished its work."""
+        return self._completed
+
+    @property
+    def done(self) -> bool:
+        """Whether the control loop is over: the job completed or failed and its processes left (or the time
+        allowed for them to leave passed), or, for a standby, the job it stood by for ended."""
+        return self._done.is_set()
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Block until :attr:`done` (or ``timeout``); return :attr:`done`."""
+        return self._done.wait(None if timeout is None else timeout.total_seconds())
+
     def members(self) -> dict[int, MemberInfo]:
         """Every member that registered so far, by index."""
         with self._lock:
@@ -264,7 +309,7 @@ class Coordinator:
         try:
             if self._leadership is None:
                 self._loop()
-            while self._leadership is not None and not self._stop.is_set():
+            while self._leadership is not None and not self._stop.is_set() and not self._done.is_set():
                 leading = False
                 try:
                     if not self._leadership.acquire(
@@ -274,19 +319,25 @@ class Coordinator:
                     leading = True
                     self._take_over()
                     self._loop()
+                    break  # the job ended (or this coordinator was stopped)
                 except (FencedError, CommError) as exc:  # lost the lease or the store: back to standby
                     if leading:
                         self.log.emit("coordinator_deposed", reason=str(exc)[:500])
                     self._leadership.release()
                     logger.warning("coordinator %s: %s; standing by", self._leadership.id, exc)
                     self._stop.wait(self.config.poll_interval.total_seconds())
+        except _JobEnded:
+            logger.info("coordinator: job %s ended; nothing to stand by for", self.config.job)
         except _JobFailed as exc:
             self._fail(str(exc))
+            self._see_out()
         except Exception:  # noqa: BLE001 - the control thread must report, not vanish
             logger.exception("coordinator loop crashed")
             self._fail("coordinator error (see log)")
+        self._done.set()
 
     def _loop(self) -> None:
+        """Run the job until it ends and its processes are gone (returns), or until stopped."""
         started = time.monotonic()
         poll = self.config.poll_interval.total_seconds()
         while not self._stop.is_set():
@@ -296,8 +347,54 @@ class Coordinator:
                 self._maybe_start(time.monotonic() - started)
                 if self.view is None and time.monotonic() - started > self.config.start_timeout.total_seconds():
                     raise _JobFailed(f"only {self._live_actives()} of {self.config.world_size} members registered")
-            elif not self._shutdown and (any(m in self._dead for m in view.members) or view.epoch in self._suspected):
+            elif self._shutdown:
+                if self._completed or self._leadership is not None:
+                    self._see_out()
+                    return
+            elif all(m in self._dead or m in self._left for m in view.members):
+                self._end(view)
+            elif any(m in self._dead for m in view.members) or view.epoch in self._suspected:
                 self._reconfigure(view)
+            time.sleep(poll)
+
+    def _end(self, view: View) -> None:
+        """No member of ``view`` is left running: the job completed, or failed if one of them failed."""
+        failed = [view.slot_of(m) for m in view.members if m in self._dead]
+        if failed:
+            raise _JobFailed(f"slots {failed} of epoch {view.epoch} failed while the others finished")
+        self._completed = True
+        with self._lock:
+            spares = len(self._spares)
+        committed = self.committed_step()
+        self.log.emit(
+            "job_completed", epoch=view.epoch, world_size=view.world_size, committed_step=committed, spares=spares
+        )
+        assert self._store is not None
+        self._store.set(keys.COMPLETED, json.dumps({"epoch": view.epoch, "committed_step": committed}))
+        self.shutdown()
+
+    def _see_out(self) -> None:
+        """After the job ended: wait until every process still registered has left or is counted dead.
+
+        Spares return from their wait at once (``shutdown``, or ``failed``);
+        one that neither leaves nor heartbeats is dead after the heartbeat
+        timeout. Bounded by that timeout plus ``ack_timeout`` either way.
+        """
+        cfg = self.config
+        deadline = time.monotonic() + (cfg.heartbeat_timeout + cfg.ack_timeout).total_seconds() + 1.0
+        poll = cfg.poll_interval.total_seconds()
+        while not self._stop.is_set():
+            try:
+                self._refresh()
+            except Exception as exc:  # noqa: BLE001 - the job is over: nothing more to learn
+                logger.warning("coordinator: while the last processes leave: %s", exc)
+                return
+            live = [i for i in self._members if i not in self._dead and i not in self._left]
+            if not live:
+                return
+            if time.monotonic() > deadline:
+                logger.warning("coordinator: members %s neither left nor went silent after the job ended", live)
+                return
             time.sleep(poll)
 
     def _fail(self, reason: str) -> None:
@@ -327,6 +424,10 @@ class Coordinator:
             self._register(idx, record, now)
         for _, record in self._refusals.poll():
             self._refused(None, record)
+        if self._beacon is not None:
+            for i in self._beacon.poll():
+                self._hb.touch(i, now)
+        self._read_leaves()
         live = [i for i in self._members if i not in self._dead and i not in self._left]
         if live:
             counts = store.multi_get([keys.heartbeat(i) for i in live])
@@ -334,8 +435,8 @@ class Coordinator:
             for i, raw in zip(live, counts, strict=True):
                 if (quiet_s := self._hb.observe(i, raw, now)) is None:
                     continue
-                if store.check([keys.left(i)]):
-                    self._member_left(i)
+                if (ok := self._left_status(i)) is not None:
+                    self._on_left(i, ok)
                 else:
                     silent[i] = quiet_s
             if not silent:
@@ -425,11 +526,43 @@ class Coordinator:
         for i in match:
             slot = view.slot_of(i) if view is not None else None
             self.log.emit("member_exited", epoch=view.epoch if view else None, slot=slot, pid=pid, returncode=code)
-            clean = code == 0 and self._store is not None and self._store.check([keys.left(i)])
-            if clean:
+            if code == 0 and self._left_status(i):
                 self._member_left(i)
             else:
                 self._mark_dead(i, "exit", returncode=code)
+
+    def _left_status(self, i: int) -> bool | None:
+        """Whether member ``i`` left cleanly (``True``), after an error (``False``), or not at all (``None``)."""
+        store = self._store
+        assert store is not None
+        if not store.raw.check([keys.left(i)]):
+            return None
+        try:
+            return store.get(keys.left(i)) == b"1"
+        except RecordError as exc:  # not the job's record: the member did not leave
+            store.reject(keys.left(i), exc)
+            return None
+
+    def _read_leaves(self) -> None:
+        """Look for members that left, when the leave counter moved (one read per poll otherwise)."""
+        store = self._store
+        assert store is not None
+        if not store.raw.check([keys.LEFT_NEXT]):
+            return
+        raw = bytes(store.raw.get(keys.LEFT_NEXT))
+        count = int(raw) if raw.isdigit() and len(raw) < 20 else self._left_count
+        if count == self._left_count:
+            return
+        self._left_count = count
+        for i in [i for i in self._members if i not in self._dead and i not in self._left]:
+            if (ok := self._left_status(i)) is not None:
+                self._on_left(i, ok)
+
+    def _on_left(self, i: int, ok: bool) -> None:
+        if ok:
+            self._member_left(i)
+        else:
+            self._mark_dead(i, "left after an error")
 
     def _member_left(self, i: int) -> None:
         with self._lock:
@@ -554,7 +687,7 @@ class Coordinator:
         acked: set[int] = set()
         while True:
             self._refresh()
-            expected = {m for m in view.members if m not in self._dead}
+            expected = {m for m in view.members if m not in self._dead and m not in self._left}
             acked = {m for m in expected if store.check([keys.ack(e, m)])}
             waited = time.monotonic() - t0
             if acked == expected or (

@@ -21,4 +21,14 @@ class MembershipError(CommError):
 
 
 class StaleEpochError(MembershipError):
-    """This member acted for an epoch the job has left behind (it was declared failed)."""
+    """This member acted for an epoch the job has left behind (it was declared failed).
+
+    Attributes:
+        rejoined: The process registered again as a spare (it is alive and the
+            job still runs): it may call ``wait_for_promotion()`` and be given
+            a slot again. ``False``: it is out of the job for good.
+    """
+
+    def __init__(self, message: str, *, rejoined: bool = False) -> None:
+        super().__init__(message)
+        self.rejoined = rejoined

@@ -56,6 +56,7 @@ EVENTS = (
     "spare_promoted",
     "member_exited",
     "job_failed",
+    "job_completed",
     "coordinator_elected",
     "coordinator_deposed",
 )

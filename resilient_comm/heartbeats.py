@@ -32,6 +32,11 @@ class Heartbeats:
         silent = now - last_time
         return silent if silent > self.timeout_s else None
 
+    def touch(self, member: int, now: float) -> None:
+        """``member`` showed life at ``now`` on another channel (a datagram); unknown members are ignored."""
+        if member in self._last:
+            self._last[member] = (self._last[member][0], now)
+
     def age(self, member: int, now: float) -> float:
         """Seconds since ``member``'s counter last moved (0 for a member never registered)."""
         return now - self._last.get(member, (0, now))[1]

@@ -9,6 +9,9 @@ __all__ = [
     "EPOCH",
     "FAILED",
     "SHUTDOWN",
+    "COMPLETED",
+    "BEACON",
+    "LEFT_NEXT",
     "COMMITTED",
     "MEMBERS_NEXT",
     "SUSPECT_NEXT",
@@ -33,6 +36,9 @@ AUTH_HMAC = b"hmac-sha256"  # the value of AUTH for a job with a secret
 EPOCH = "epoch"  # the newest published epoch ("-1" before the first)
 FAILED = "failed"  # why the job cannot continue (set once)
 SHUTDOWN = "shutdown"  # the job is over: spares stop waiting
+COMPLETED = "completed"  # set with SHUTDOWN when the job ended because its work ended (the final epoch, as JSON)
+BEACON = "beacon"  # the active coordinator's datagram heartbeat address, "host:port"
+LEFT_NEXT = "left/next"  # counter bumped by every member that leaves: the coordinator then looks at left/<i>
 COMMITTED = "committed"  # the newest step committed everywhere
 MEMBERS_NEXT = "members/next"  # counter handing out member indices
 SUSPECT_NEXT = "suspect/next"  # counter numbering suspicion records

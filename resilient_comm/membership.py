@@ -25,6 +25,7 @@ from bindings.errors import CommTimeoutError
 from bindings.store import BoundedStore, Store, check_address, connect_store, is_etcd, parse_address, prefix_store
 from resilient_comm import keys
 from resilient_comm.auth import ENV_SECRET, ENV_SECRET_FILE, ControlStore, JobSecret, RecordError
+from resilient_comm.beacon import BeaconSender
 from resilient_comm.errors import MembershipError
 from resilient_comm.view import ROLES, MemberInfo, View, decode_json
 
@@ -99,6 +100,20 @@ class StoreMembership:
             self._store.raw.set(keys.refused(self._store.add(keys.REFUSED_NEXT, 1) - 1), json.dumps(note))
             self._store.close()
             raise MembershipError(refusal)
+        self._secret = secret
+        self._watch_store = _bounded(address, timeout, secret)
+        self._lost: str | None = None  # why the coordinator counts as lost
+        self._last_commit: tuple[int, int] | None = None  # (epoch, step) of this member's last committed vote
+        self._watch_epoch = -1  # the epoch whose abort the watcher looks for (-1: none)
+        self._aborted_upto = -1  # newest epoch whose abort was seen
+        self._on_abort: Callable[[int], None] | None = None
+        self._lock = threading.Lock()
+        self.rejoins = 0  # times this process registered again as a spare after it was evicted
+        self._register(role, slot)
+
+    def _register(self, role: str, slot: int) -> None:
+        """Take a fresh member index, write the registration, start the heartbeats (store and datagram)."""
+        self.role = role
         self.index = int(self._store.add(keys.MEMBERS_NEXT, 1)) - 1
         self._beats = 0
         self._store.set(keys.heartbeat(self.index), "0")
@@ -109,19 +124,56 @@ class StoreMembership:
             host=socket.gethostname(),
             role=role,
             slot=slot,
-            job=job,
+            job=self.job,
         )
         self._store.set(self._store.private(keys.member(self.index)), self.info.to_json())
-        self._watch_store = _bounded(address, timeout, secret)
-        self._lost: str | None = None  # why the coordinator counts as lost
-        self._last_commit: tuple[int, int] | None = None  # (epoch, step) of this member's last committed vote
-        self._watch_epoch = -1  # the epoch whose abort the watcher looks for (-1: none)
-        self._aborted_upto = -1  # newest epoch whose abort was seen
-        self._on_abort: Callable[[int], None] | None = None
-        self._lock = threading.Lock()
+        self._beacon = BeaconSender(self.job, self.index, self._interval, self._secret)
+        self._aim_beacon(self._store)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._beat, name=f"sparsecomm-heartbeat-{self.index}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._beat, args=(self._stop,), name=f"sparsecomm-heartbeat-{self.index}", daemon=True
+        )
         self._thread.start()
+
+    def _aim_beacon(self, store: ControlStore) -> None:
+        """Point the datagram heartbeat at the port the active coordinator published (none published: no change)."""
+        if not store.raw.check([keys.BEACON]):
+            return
+        try:
+            host, port = parse_address(store.get(keys.BEACON).decode(errors="replace"))
+        except ValueError as exc:  # RecordError too
+            store.reject(keys.BEACON, exc)
+            return
+        if not is_etcd(self._address):  # the host this process reaches the store by is the coordinator's
+            host = parse_address(self._address)[0]
+        self._beacon.aim(host, port)
+
+    def rejoin_as_spare(self) -> None:
+        """Register again, as a spare with a fresh member index, after this member was evicted while alive.
+
+        The old index stays dead to the coordinator (its heartbeats stop here);
+        the new one waits for a slot like any spare. Not for a member whose
+        coordinator is lost.
+
+        Raises:
+            MembershipError: The coordinator is lost.
+        """
+        if self._lost is not None:
+            raise MembershipError(self._lost)
+        old = self.index
+        self._stop.set()
+        self._beacon.stop()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        with self._lock:
+            self._watch_epoch, self._on_abort = -1, None
+        self._last_commit = None
+        try:
+            self._register("spare", -1)
+        except (RuntimeError, CommTimeoutError) as exc:
+            raise self._lose(exc) from exc
+        self.rejoins += 1
+        logger.warning("member %d was evicted while alive: registered again as spare member %d", old, self.index)
 
     def _admission(self, job: str) -> str | None:
         """Why the coordinator will refuse this process (``None``: it will not); raises for a foreign job."""
@@ -190,21 +242,23 @@ class StoreMembership:
                 cb(epoch)
         return MembershipError(lost)
 
-    def _beat(self) -> None:
-        store = self._watch_store
-        while not self._stop.wait(self._interval):
+    def _beat(self, stop: threading.Event) -> None:
+        store, index = self._watch_store, self.index
+        while not stop.wait(self._interval):
             try:
                 self._beats += 1
-                store.set(keys.heartbeat(self.index), str(self._beats))
+                store.set(keys.heartbeat(index), str(self._beats))
+                if self._beats % 20 == 1:  # a coordinator taking over publishes its own datagram port
+                    self._aim_beacon(store)
                 with self._lock:
                     epoch, cb = self._watch_epoch, self._on_abort
                 if epoch > self._aborted_upto and store.check([keys.abort(epoch)]):
                     self._aborted_upto = epoch
                     if cb is not None:
                         cb(epoch)
-                    store.set(keys.ack(epoch, self.index), "1")
+                    store.set(keys.ack(epoch, index), "1")
             except Exception as exc:  # noqa: BLE001 - the coordinator went away: nothing to beat for
-                if not self._stop.is_set():
+                if not stop.is_set():
                     self._lose(exc)
                 return
 
@@ -358,15 +412,21 @@ class StoreMembership:
             self._store.raw.delete_key(self._store.private(keys.decision(epoch, last[1])))
 
     # ------------------------------------------------------------------ end
-    def leave(self) -> None:
-        """Leave cleanly (not a failure) and stop the heartbeat. Idempotent."""
+    def leave(self, ok: bool = True) -> None:
+        """Leave (``ok``: cleanly, the work done; otherwise after an error) and stop the heartbeat. Idempotent.
+
+        A member that leaves with ``ok=False`` counts as failed, as if it had
+        exited with an error: the coordinator replaces it or shrinks.
+        """
         if self._stop.is_set():
             return
         try:
-            self._store.set(keys.left(self.index), "1")
+            self._store.set(keys.left(self.index), "1" if ok else "error")
+            self._store.add(keys.LEFT_NEXT, 1)
         except Exception as exc:  # noqa: BLE001
             logger.debug("could not mark member %d as left: %s", self.index, exc)
         self._stop.set()
+        self._beacon.stop()
         self._thread.join(timeout=5)
         self._store.close()
         self._watch_store.close()
@@ -374,3 +434,4 @@ class StoreMembership:
     def stop_heartbeat(self) -> None:
         """Stop heartbeating without leaving (tests use this to look hung)."""
         self._stop.set()
+        self._beacon.stop()

@@ -11,6 +11,7 @@ which the fault tests and ``sparsecomm bench recovery`` read:
 * ``committed``: step, epoch, rank, world_size (every committed step);
 * ``raised``: the step and the error of a failed collective;
 * ``reconfigured``: the :class:`~resilient_comm.Reconfiguration` fields;
+* ``rejoined``: evicted while alive, registered again as a spare (then ``promoted`` or ``done``);
 * ``resources``: open fds, threads and RSS bytes (every ``--resource-every`` steps);
 * ``done`` / ``error``.
 
@@ -33,7 +34,7 @@ import torch
 
 from bindings.errors import CommError, PeerFailureError
 from resilient_comm.communicator import FaultAwareCommunicator
-from resilient_comm.errors import MembershipError
+from resilient_comm.errors import MembershipError, StaleEpochError
 from resilient_comm.events import ProcessEvents
 
 __all__ = ["command", "value_for", "expected_sum", "resources", "main"]
@@ -68,6 +69,42 @@ def resources() -> dict[str, int]:
     return {"fds": fds, "threads": threads, "py_threads": threading.active_count(), "rss": rss}
 
 
+class _WrongSum(Exception):
+    """A collective returned a wrong result (exit status 2)."""
+
+
+def _run_steps(comm: FaultAwareCommunicator, args: argparse.Namespace, log: ProcessEvents, step: int) -> bool:
+    """Run steps from ``step`` to the last; ``False`` when this member was evicted and is a spare again."""
+    buf = torch.empty(args.numel, dtype=torch.float32)
+    while step < args.steps:
+        try:
+            buf.fill_(value_for(step, comm.rank))
+            comm.all_reduce(buf)
+            want = expected_sum(step, comm.world_size)
+            if not bool(torch.all(buf == want)):
+                log("error", step=step, reason=f"wrong sum {buf[0].item()} != {want}")
+                raise _WrongSum()
+            if args.sleep:
+                time.sleep(args.sleep)
+            if comm.commit(step):
+                log("committed", step=step, epoch=comm.epoch, rank=comm.rank, world_size=comm.world_size)
+                if args.resource_every and step % args.resource_every == 0:
+                    log("resources", step=step, **resources())
+                step += 1
+        except PeerFailureError as exc:
+            log("raised", step=step, epoch=comm.epoch, error=str(exc)[:300], failed=sorted(exc.failed_ranks))
+            try:
+                change = comm.reconfigure()
+            except StaleEpochError as stale:
+                if not stale.rejoined:
+                    raise
+                log("rejoined", step=step, member=comm.member, reason=str(stale)[:300])
+                return False
+            step = change.committed_step + 1
+            log("reconfigured", **dataclasses.asdict(change))
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the drill (see the module docstring); returns the exit status."""
     p = argparse.ArgumentParser(prog="python -m optim.benchmarks.drill", description="all_reduce fault drill")
@@ -82,40 +119,25 @@ def main(argv: list[str] | None = None) -> int:
     comm = FaultAwareCommunicator.connect(timeout=timedelta(seconds=args.timeout))
     step = 0
     try:
-        if comm.view is None:
-            change = comm.wait_for_promotion()
-            if change is None:
-                log("done", step=0, spare_unused=True)
-                comm.close()
-                return 0
-            step = change.committed_step + 1
-            log("promoted", **dataclasses.asdict(change))
-        else:
-            log("joined", epoch=comm.epoch, rank=comm.rank, world_size=comm.world_size)
-        buf = torch.empty(args.numel, dtype=torch.float32)
-        while step < args.steps:
-            try:
-                buf.fill_(value_for(step, comm.rank))
-                comm.all_reduce(buf)
-                want = expected_sum(step, comm.world_size)
-                if not bool(torch.all(buf == want)):
-                    log("error", step=step, reason=f"wrong sum {buf[0].item()} != {want}")
-                    return 2
-                if args.sleep:
-                    time.sleep(args.sleep)
-                if comm.commit(step):
-                    log("committed", step=step, epoch=comm.epoch, rank=comm.rank, world_size=comm.world_size)
-                    if args.resource_every and step % args.resource_every == 0:
-                        log("resources", step=step, **resources())
-                    step += 1
-            except PeerFailureError as exc:
-                log("raised", step=step, epoch=comm.epoch, error=str(exc)[:300], failed=sorted(exc.failed_ranks))
-                change = comm.reconfigure()
+        while True:  # a member evicted while alive comes back here as a spare
+            if comm.view is None:
+                change = comm.wait_for_promotion()
+                if change is None:
+                    log("done", step=step, spare_unused=True)
+                    comm.close()
+                    return 0
                 step = change.committed_step + 1
-                log("reconfigured", **dataclasses.asdict(change))
-        log("done", step=step, epoch=comm.epoch, rank=comm.rank)
+                log("promoted", **dataclasses.asdict(change))
+            else:
+                log("joined", epoch=comm.epoch, rank=comm.rank, world_size=comm.world_size)
+            if _run_steps(comm, args, log, step):
+                break
+            step = 0
+        log("done", step=args.steps, epoch=comm.epoch, rank=comm.rank)
         comm.close()
         return 0
+    except _WrongSum:
+        return 2
     except MembershipError as exc:
         log("error", step=step, reason=f"{type(exc).__name__}: {exc}")
         print(f"drill: cannot continue: {exc}", file=sys.stderr)

@@ -81,7 +81,9 @@ def add_launch_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentP
         "coordinator",
         help="run a standalone coordinator (for workers started by torchrun or srun)",
         description=(
-            "Host the job's store and membership protocol until interrupted. Start workers with "
+            "Host the job's store and membership protocol until the job ends (exit 0 once every worker of the "
+            "final epoch has finished and the spares have left, 1 if the job failed) or until interrupted. "
+            "Start workers with "
             "SPARSECOMM_COORDINATOR=HOST:PORT, SPARSECOMM_JOB_ID=JOB and SPARSECOMM_JOB_SECRET_FILE=PATH "
             "(printed at start). The job secret comes from $SPARSECOMM_JOB_SECRET or "
             "$SPARSECOMM_JOB_SECRET_FILE, else from --secret-file (made, mode 0600, if missing), else a "
@@ -168,11 +170,15 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    while not stop.wait(0.2):
-        if coordinator.failed is not None:
-            print(f"sparsecomm coordinator: job failed: {coordinator.failed}", file=sys.stderr)
-            coordinator.stop()
-            return 1
-    coordinator.shutdown()
+    while not stop.wait(0.2) and not coordinator.done:
+        pass
+    if coordinator.failed is not None:
+        print(f"sparsecomm coordinator: job failed: {coordinator.failed}", file=sys.stderr)
+        coordinator.stop()
+        return 1
+    if not coordinator.done:  # interrupted: tell whoever still waits that the job is over
+        coordinator.shutdown()
+    elif coordinator.completed:
+        print(f"sparsecomm coordinator: job {coordinator.job} completed", file=sys.stderr)
     coordinator.stop()
     return 0

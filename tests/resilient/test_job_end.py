@@ -1,0 +1,109 @@
+"""A job ends everywhere when its work ends: the README's torchrun/srun recipe with a standalone coordinator.
+
+``sparsecomm coordinator`` is started on its own, then two workers and a spare
+running ``examples/resilient_loop.py`` with the variables it prints, as a user
+(or torchrun / srun) starts them. No launcher tells anyone that the job ended:
+the coordinator learns it from the workers leaving, records it, and the spare
+and the coordinator exit 0 by themselves. A job that fails ends the same way,
+with a non-zero status.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from optim.benchmarks.hosts import kill_all
+from resilient_comm.events import read_events
+from tests.resilient.harness import REPO_ROOT, wait_until
+
+pytestmark = [pytest.mark.dist]
+
+EXAMPLE = Path(REPO_ROOT) / "examples" / "resilient_loop.py"
+ENDED_WITHIN_S = 5.0  # after the last worker exits, everything else has exited too
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+
+
+def _coordinator(tmp: Path, world_size: int, grace: float = 20.0) -> tuple[subprocess.Popen[str], dict[str, str]]:
+    argv = [sys.executable, "-m", "optim", "coordinator", "--world-size", str(world_size), "--heartbeat-timeout", "2"]
+    argv += ["--stall-grace", str(grace)]
+    argv += ["--events", str(tmp / "events.jsonl"), "--secret-file", str(tmp / "job.secret")]
+    proc = subprocess.Popen(argv, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    banner = proc.stdout.readline()
+    fields = dict(kv.split("=", 1) for kv in banner.split())
+    assert "SPARSECOMM_COORDINATOR" in fields, banner
+    return proc, fields
+
+
+def _start(tmp: Path, fields: dict[str, str], role: str, slot: int, name: str, steps: int) -> subprocess.Popen[str]:
+    env = {**_env(), **fields, "SPARSECOMM_ROLE": role, "SPARSECOMM_SLOT": str(slot)}
+    argv = [sys.executable, str(EXAMPLE), "--optimizer", "adamw", "--steps", str(steps), "--out", str(tmp / name)]
+    log = open(tmp / f"{name}.log", "w")  # noqa: SIM115 - the child holds it; closed when the test ends
+    return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.timeout(180)
+def test_workers_finish_and_the_spare_and_the_standalone_coordinator_exit_0(tmp_path: Path) -> None:
+    coord, fields = _coordinator(tmp_path, 2)
+    procs = [
+        _start(tmp_path, fields, "active", 0, "w0.json", 30),
+        _start(tmp_path, fields, "active", 1, "w1.json", 30),
+        _start(tmp_path, fields, "spare", -1, "s.json", 30),
+    ]
+    try:
+        workers, spare = procs[:2], procs[2]
+        for w in workers:
+            assert w.wait(timeout=150) == 0, (tmp_path / "w0.json.log").read_text()[-2000:]
+        last_worker = time.monotonic()
+        assert spare.wait(timeout=30) == 0, (tmp_path / "s.json.log").read_text()[-2000:]
+        assert coord.wait(timeout=30) == 0, coord.stdout.read() if coord.stdout else ""
+        ended_s = time.monotonic() - last_worker
+        print(f"\nlast worker exited -> spare and coordinator exited: {ended_s:.2f} s")
+        assert ended_s <= ENDED_WITHIN_S, ended_s
+    finally:
+        kill_all([*procs, coord])  # type: ignore[list-item]
+    events = read_events(tmp_path / "events.jsonl")
+    (completed,) = [e for e in events if e["event"] == "job_completed"]
+    assert completed["epoch"] == 0 and completed["committed_step"] == 30 and completed["spares"] == 1, completed
+    assert not [e for e in events if e["event"] in ("job_failed", "failure_detected")], events
+    assert (tmp_path / "w0.json").exists() and not (tmp_path / "s.json").exists()  # rank 0 reports; the spare not
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_job_ends_the_spare_and_the_coordinator_with_an_error(tmp_path: Path) -> None:
+    """Both workers SIGKILLed: no majority is left, the job fails; the waiting spare and the coordinator exit 1."""
+    coord, fields = _coordinator(tmp_path, 2, grace=1.0)  # silence of everyone is believed after 1 s more
+    procs = [
+        _start(tmp_path, fields, "active", 0, "w0.json", 100_000),
+        _start(tmp_path, fields, "active", 1, "w1.json", 100_000),
+        _start(tmp_path, fields, "spare", -1, "s.json", 100_000),
+    ]
+    try:
+        path = tmp_path / "events.jsonl"
+        wait_until(lambda: any(e["event"] == "epoch_configured" for e in read_events(path, missing_ok=True)), 90, "")
+        wait_until(
+            lambda: sum(e["event"] == "member_started" for e in read_events(path, missing_ok=True)) == 3, 60, "spare"
+        )
+        time.sleep(1.0)
+        for w in procs[:2]:
+            os.kill(w.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        code = procs[2].wait(timeout=60)
+        assert code != 0, (tmp_path / "s.json.log").read_text()[-2000:]
+        assert "the job failed" in (tmp_path / "s.json.log").read_text()
+        assert coord.wait(timeout=30) == 1
+        print(f"\nboth workers killed -> spare and coordinator exited: {time.monotonic() - t0:.2f} s")
+    finally:
+        kill_all([*procs, coord])  # type: ignore[list-item]
+    events = read_events(tmp_path / "events.jsonl")
+    assert [e for e in events if e["event"] == "job_failed"] and not [e for e in events if e["event"] == "job_completed"]
