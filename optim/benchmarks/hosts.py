@@ -161,12 +161,31 @@ class Hosts:
         return proc
 
     def cut(self, i: int) -> None:
-        """Take host ``i``'s link down: its peers' connections go silent (no reset)."""
+        """Take host ``i``'s link down: its peers' connections go silent (no reset).
+
+        The host's own interface loses its carrier, and the kernel takes the
+        carrier back up to a second after :meth:`restore` (link state changes
+        are handled at most about once a second): a cut of 0.3 s silences the
+        host for about 1 s, and cuts repeated every second keep it silent
+        throughout. For short outages see :meth:`detach`.
+        """
         _ip("link", "set", self._outer(i), "down")
 
     def restore(self, i: int) -> None:
         """Bring host ``i``'s link back up."""
         _ip("link", "set", self._outer(i), "up")
+
+    def detach(self, i: int) -> None:
+        """Take host ``i``'s cable out of the switch (the bridge), its link staying up: silent, no reset.
+
+        Unlike :meth:`cut`, no carrier changes: traffic flows again the moment
+        :meth:`attach` puts it back (a 0.3 s outage is 0.3 s of silence).
+        """
+        _ip("link", "set", self._outer(i), "nomaster")
+
+    def attach(self, i: int) -> None:
+        """Plug host ``i`` back into the switch."""
+        _ip("link", "set", self._outer(i), "master", self._bridge)
 
     def close(self) -> None:
         """Kill every process started here, then remove the namespaces and the bridge."""

@@ -192,8 +192,9 @@ def _run_worker(config: TrainConfig, res: ResilienceConfig, out: Path, log: Proc
         member = ft.is_member
         rank, world_size, epoch = (ft.rank, ft.world_size, ft.comm.epoch) if member else (-1, 0, -1)
         ft.finish()
-    finally:
-        ft.close()
+    except BaseException:
+        ft.close(ok=False)  # leaves as failed: the job does not count this member's work as done
+        raise
     if not member:
         return 0  # a spare the job never needed
     result = {
