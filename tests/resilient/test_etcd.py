@@ -362,3 +362,32 @@ def test_a_coordinator_killed_while_it_replaces_a_worker_is_finished_by_the_stan
     promoted = _events(tmp_path, "c1", "spare_promoted") + _events(tmp_path, "launch", "spare_promoted")
     assert len(promoted) == 1, promoted  # one hot-swap, by whichever coordinator got that far
     _check_drill(tmp_path, steps, processes=4, killed=victim)
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S + 60)
+def test_when_the_work_ends_the_spare_and_both_coordinators_exit_0(cluster: EtcdCluster, tmp_path: Path) -> None:
+    """Two standalone coordinators (one active, one standing by), two workers and a spare started by hand:
+    when the workers finish, the spare, the active coordinator and the standby all exit 0."""
+    job, watch = _job("end"), JobWatch()
+    coords = [_coordinator(cluster, job, tmp_path, name, watch, 2.0, world_size=2) for name in ("c1", "c2")]
+    address = CoordinatorConfig(world_size=1, store=cluster.address, job=job).store_address
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        elected = lambda: (
+            _events(tmp_path, "c1", "coordinator_elected") or _events(tmp_path, "c2", "coordinator_elected")
+        )  # noqa: E731, E501
+        wait_for(elected, 30, "a coordinator to become active")
+        for role, slot in (("active", 0), ("active", 1), ("spare", -1)):
+            env = {**watch.env, "SPARSECOMM_COORDINATOR": address, "SPARSECOMM_JOB_ID": job}
+            env.update({"SPARSECOMM_ROLE": role, "SPARSECOMM_SLOT": str(slot)})
+            cmd = [sys.executable, str(EXAMPLE), "--optimizer", "adamw", "--steps", "20"]
+            cmd += ["--out", str(tmp_path / f"out{slot}.json")]
+            procs.append(subprocess.Popen(cmd, env=_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        outs = [p.communicate(timeout=JOB_TIMEOUT_S)[0].decode(errors="replace")[-2000:] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0, 0], outs
+        codes = [c.wait(timeout=30) for c in coords]
+        assert codes == [0, 0], [c.communicate()[0].decode(errors="replace")[-2000:] for c in coords]
+    finally:
+        _kill(*coords, *procs)
+    completed = _events(tmp_path, "c1", "job_completed") + _events(tmp_path, "c2", "job_completed")
+    assert len(completed) == 1 and completed[0]["committed_step"] == 20, completed

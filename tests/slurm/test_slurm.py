@@ -145,3 +145,33 @@ def test_fault_tolerant_example_with_a_spare_under_srun(slurm: SlurmCluster, tmp
     assert "promoted into slot 1" in out, out[-3000:]
     assert "WRONG SUM" not in err
     assert "task 1: Killed" in err and "Exited with exit code" not in err, err[-3000:]  # the others ended well
+
+
+def test_a_job_with_an_unused_spare_ends_under_srun(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """The README's srun recipe with a spare and no failure: srun returns (every task exited 0, the spare
+    too) and the standalone coordinator exits 0 by itself."""
+    coord = subprocess.Popen(
+        [sys.executable, "-m", "optim", "coordinator", "--world-size", "2", "--events", str(tmp_path / "ev.jsonl")],
+        env={**os.environ, **ENV},
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert coord.stdout is not None
+        fields = dict(kv.split("=", 1) for kv in coord.stdout.readline().split())
+        script = (
+            'if [ "$SLURM_PROCID" -ge 2 ]; then export SPARSECOMM_ROLE=spare; fi; '
+            f"exec {sys.executable} {ROOT / 'examples/resilient_loop.py'} --optimizer adamw --steps 20 "
+            f"--out {tmp_path / 'report.json'}"
+        )
+        r = slurm.srun("-n", "3", "bash", "-c", script, timeout=180, env={**ENV, **fields}, cwd=ROOT)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:] + slurm.logs()
+        assert coord.wait(timeout=30) == 0
+    finally:
+        if coord.poll() is None:
+            coord.kill()
+            coord.wait()
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert len(report["losses"]) == 20 and report["world_size"] == 2
