@@ -114,9 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=30.0, help="deadline of each collective (s)")
     p.add_argument("--log", default=None, help="directory of the per-process event files")
     p.add_argument("--resource-every", type=int, default=0, help="log fds/threads/RSS every N steps (0: never)")
+    p.add_argument("--max-rejoins", type=int, default=3, help="times an evicted process comes back as a spare")
     args = p.parse_args(argv)
     log = ProcessEvents(args.log)
-    comm = FaultAwareCommunicator.connect(timeout=timedelta(seconds=args.timeout))
+    comm = FaultAwareCommunicator.connect(timeout=timedelta(seconds=args.timeout), max_rejoins=args.max_rejoins)
     step = 0
     try:
         while True:  # a member evicted while alive comes back here as a spare

@@ -134,11 +134,13 @@ class DrillJob:
         heartbeat_timeout: float = 1.0,
         stall_grace: float = 20.0,
         job_timeout: float = 120.0,
+        max_rejoins: int = 3,
     ) -> None:
         self.log_dir = Path(log_dir)
         self.steps = steps
         cmd = [sys.executable, "-m", "optim.benchmarks.drill", "--steps", str(steps), "--numel", str(numel)]
         cmd += ["--sleep", str(sleep), "--log", str(self.log_dir), "--resource-every", str(resource_every)]
+        cmd += ["--max-rejoins", str(max_rejoins)]
         config = LaunchConfig(
             nproc=nproc,
             spares=spares,

@@ -373,10 +373,8 @@ def test_when_the_work_ends_the_spare_and_both_coordinators_exit_0(cluster: Etcd
     address = CoordinatorConfig(world_size=1, store=cluster.address, job=job).store_address
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        elected = lambda: (
-            _events(tmp_path, "c1", "coordinator_elected") or _events(tmp_path, "c2", "coordinator_elected")
-        )  # noqa: E731, E501
-        wait_for(elected, 30, "a coordinator to become active")
+        names = ("c1", "c2")
+        wait_for(lambda: any(_events(tmp_path, n, "coordinator_elected") for n in names), 30, "an active coordinator")
         for role, slot in (("active", 0), ("active", 1), ("spare", -1)):
             env = {**watch.env, "SPARSECOMM_COORDINATOR": address, "SPARSECOMM_JOB_ID": job}
             env.update({"SPARSECOMM_ROLE": role, "SPARSECOMM_SLOT": str(slot)})

@@ -141,6 +141,27 @@ def test_sigstop_is_caught_by_the_heartbeat_and_the_resumed_process_is_stale(tmp
         assert job.coordinator.view.epoch == 1
 
 
+@pytest.mark.timeout(120)
+def test_a_process_evicted_more_often_than_max_rejoins_leaves(tmp_path) -> None:
+    """With ``max_rejoins=0`` the resumed process does not come back as a spare: StaleEpochError, exit 3."""
+    with DrillJob(tmp_path, nproc=3, spares=1, steps=60, sleep=0.05, max_rejoins=0) as job:
+        job.wait_epoch()
+        wait_until(job.launcher.spare_pids, 60, "the spare to register")
+        hung = job.member_pids()[2]
+        job.wait_progress(hung, 3)
+        job.signal(hung, signal.SIGSTOP)
+        job.wait_event("epoch_configured", 30, epoch=1)
+        job.signal(hung, signal.SIGCONT)
+        code = job.wait_exit(hung, 30)
+        # not `== 3`: now and then the process aborts (-6) while exiting after main() returned 3, with the
+        # aborted epoch-0 gloo group still alive
+        assert code in (3, -signal.SIGABRT), code
+        errors = job.drill_events(hung, "error")
+        assert errors and "more than max_rejoins" in errors[-1]["reason"], job.drill_log(hung)[-3:]
+        assert not job.drill_events(hung, "rejoined")
+        assert job.finish(90) == 0, job.describe()
+
+
 @pytest.mark.timeout(150)
 def test_second_failure_during_reconfiguration_forms_a_later_epoch(tmp_path) -> None:
     with DrillJob(tmp_path, nproc=4, spares=2, steps=60, sleep=0.03) as job:

@@ -246,3 +246,33 @@ def test_link_blips_shorter_than_the_heartbeat_timeout_evict_nobody(tmp_path: Pa
         assert not job.events("spare_promoted") and len(job.events("epoch_proposed")) == 1
         assert check_contiguous(job.log(flapping.pid)) == list(range(job.steps))
         assert ended_s <= 5.0, ended_s
+
+
+@pytest.mark.timeout(180)
+def test_a_flapping_link_does_not_drain_the_spares(tmp_path: Path) -> None:
+    """A worker's link goes down for 0.3 s every second, six times, at a 1 s heartbeat timeout (the kernel
+    keeps the carrier down for about a second each time, so the worker is silent for seconds and is
+    evicted): the spare takes its slot, and the evicted process, alive, comes back as a spare. The job
+    still has a spare afterwards and ends with every process exiting 0."""
+    hb = 1.0
+    with Hosts(5) as hosts:
+        job = HostsJob(hosts, tmp_path, workers=3, spares=1, steps=250, sleep=0.05, hb=hb, mode="hotswap")
+        try:
+            job.wait_event("epoch_configured", 60, epoch=0)
+            flapping = job.workers[1]
+            job.wait_progress(flapping.pid, 5)
+            for _ in range(6):
+                hosts.cut(2)
+                time.sleep(0.3)
+                hosts.restore(2)
+                time.sleep(0.7)
+            evicted = {e["pid"] for e in job.events("failure_detected")}
+            assert evicted == {flapping.pid}, job.describe()
+            wait_for(lambda: job.events("member_started", pid=flapping.pid, role="spare"), 30, "the evicted to rejoin")
+            spares_left = len(job.events("member_started", role="spare")) - len(job.events("spare_promoted"))
+            assert spares_left == 1, job.describe()
+            ended_s = _exit_all(job, 120)
+        finally:
+            print(job.describe())
+        assert ended_s <= 5.0, ended_s
+        assert "rejoined" in [r["event"] for r in job.log(flapping.pid)]
