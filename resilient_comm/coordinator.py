@@ -226,10 +226,15 @@ class Coordinator:
         self.log.close()
 
     def shutdown(self) -> None:
-        """Tell spares (and anyone waiting for an epoch) that the job is over."""
+        """Tell spares (and anyone waiting for an epoch) that the job is over. Idempotent."""
+        if self._shutdown:
+            return
         self._shutdown = True
         if self._store is not None:
-            self._store.set(keys.SHUTDOWN, "1")
+            try:
+                self._store.set(keys.SHUTDOWN, "1")
+            except CommError as exc:  # FencedError too: another coordinator runs the job now
+                logger.warning("coordinator: could not publish the job's end: %s", exc)
 
     @property
     def address(self) -> str:
@@ -351,7 +356,9 @@ class Coordinator:
                 if self._completed or self._leadership is not None:
                     self._see_out()
                     return
-            elif all(m in self._dead or m in self._left for m in view.members):
+            elif any(m in self._left for m in view.members) and all(
+                m in self._dead or m in self._left for m in view.members
+            ):
                 self._end(view)
             elif any(m in self._dead for m in view.members) or view.epoch in self._suspected:
                 self._reconfigure(view)
@@ -361,7 +368,7 @@ class Coordinator:
         """No member of ``view`` is left running: the job completed, or failed if one of them failed."""
         failed = [view.slot_of(m) for m in view.members if m in self._dead]
         if failed:
-            raise _JobFailed(f"slots {failed} of epoch {view.epoch} failed while the others finished")
+            raise _JobFailed(f"slots {failed} of epoch {view.epoch} failed after the others finished")
         self._completed = True
         with self._lock:
             spares = len(self._spares)
