@@ -1,12 +1,19 @@
-"""Start a job's ranks on this machine: spawned processes, or mpirun.
+"""Start a job's ranks on this machine: local processes, or mpirun.
 
-:func:`run_local` plays torchrun for one machine: it spawns ``nprocs``
+:func:`run_local` plays torchrun for one machine: it starts ``nprocs``
 processes, gives each the torchrun environment (``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), calls ``fn(rank,
 world_size, *args)`` and returns the results in rank order, under one hard
 deadline. When a rank fails, the others get a few seconds to report, then
 every process left is killed and :class:`LocalRunError` carries each failing
 rank's traceback.
+
+The ranks are forked from a fork server (:mod:`multiprocessing`'s
+``forkserver``) that has imported torch (and whatever else ``preload``
+names) once, so a rank starts in milliseconds instead of paying for the
+import; each is still a separate OS process that starts from a clean,
+single-threaded interpreter, with the caller's current environment and
+working directory. Where there is no fork server, ranks are spawned.
 
 :func:`mpirun_command` builds an ``mpirun`` command line that works here
 (Open MPI from PyPI, as root, in a container, more ranks than cores).
@@ -17,8 +24,11 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import runpy
 import shutil
+import signal
 import socket
+import subprocess
 import sys
 import time
 import traceback
@@ -27,6 +37,7 @@ from typing import Any
 
 __all__ = [
     "LocalRunError",
+    "ForkedPython",
     "free_port",
     "run_local",
     "find_mpirun",
@@ -52,15 +63,32 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+#: What the fork server imports once for every rank it starts (more with ``preload``).
+DEFAULT_PRELOAD = ("torch", "torch.distributed", "numpy")
+
+
+def _context(preload: Sequence[str]) -> Any:
+    """The multiprocessing context ranks start from: a fork server that imported ``preload``, else spawn."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    # Takes effect when this process's fork server starts (at its first use); it then serves every later call.
+    ctx.set_forkserver_preload([*DEFAULT_PRELOAD, *preload])
+    return ctx
+
+
 def _child(
     fn: Callable[..., Any],
     rank: int,
     world_size: int,
     env: dict[str, str],
+    cwd: str,
     args: tuple[Any, ...],
     results: Any,
 ) -> None:
+    os.environ.clear()  # the caller's environment now, not the fork server's from when it started
     os.environ.update(env)
+    os.chdir(cwd)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     try:
         value = fn(rank, world_size, *args)
@@ -75,8 +103,9 @@ def run_local(
     *args: Any,
     timeout: float,
     env: Mapping[str, str] | None = None,
+    preload: Sequence[str] = (),
 ) -> list[Any]:
-    """Run ``fn(rank, nprocs, *args)`` on ``nprocs`` spawned local processes.
+    """Run ``fn(rank, nprocs, *args)`` on ``nprocs`` local processes.
 
     Args:
         fn: A module-level (picklable) function; it may initialize a group
@@ -85,6 +114,9 @@ def run_local(
         *args: Extra picklable arguments.
         timeout: Hard deadline in seconds for the whole run.
         env: Extra environment variables of every child.
+        preload: Modules the fork server imports once, besides torch (names;
+            one that fails to import is skipped). Only the first call in a
+            process starts the fork server, so only its list counts.
 
     Returns:
         ``fn``'s return values, by rank.
@@ -97,13 +129,13 @@ def run_local(
         raise ValueError(f"nprocs: must be >= 1, got {nprocs}")
     if timeout <= 0:
         raise ValueError(f"timeout: must be positive, got {timeout}")
-    child_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), **(env or {})}
-    ctx = mp.get_context("spawn")
+    child_env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), **(env or {})}
+    ctx = _context(preload)
     results = ctx.Queue()
     procs = [
         ctx.Process(
             target=_child,
-            args=(fn, r, nprocs, child_env, args, results),
+            args=(fn, r, nprocs, child_env, os.getcwd(), args, results),
             name=f"rank{r}",
             daemon=True,
         )
@@ -157,6 +189,95 @@ def run_local(
         name = getattr(fn, "__name__", repr(fn))
         raise LocalRunError(f"{name} on {nprocs} local ranks failed:\n" + "\n".join(problems))
     return [outcome[r][1] for r in range(nprocs)]
+
+
+def _run_python(argv: list[str], env: dict[str, str], cwd: str) -> None:
+    """In a forked child: become ``python ARGV...`` (``-m MODULE`` or a script) in this already-warm interpreter."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    threads = env.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(threads))  # read at import, which happened before
+    if argv[1] == "-m":
+        sys.argv = [argv[2], *argv[3:]]
+        runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = argv[1:]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[1])))
+        runpy.run_path(argv[1], run_name="__main__")
+
+
+class ForkedPython:
+    """``python -m MODULE ...`` or ``python SCRIPT ...`` started from the fork server, with the
+    :class:`subprocess.Popen` surface a supervisor uses (``pid``, ``poll``, ``wait``, ``send_signal``,
+    ``kill``, ``returncode``).
+
+    A separate OS process like any other (real signals, its own sockets), but
+    forked from an interpreter that already imported ``preload`` (see
+    :func:`run_local`), so it starts in milliseconds. Its standard streams are
+    the fork server's (those of the process that first used it). An exit by
+    signal reads as ``-signum``, as with ``Popen``.
+
+    Args:
+        argv: ``[sys.executable, "-m", MODULE, ...]`` or ``[sys.executable, SCRIPT, ...]``
+            (:meth:`supports` tells).
+        env: The whole environment of the new process.
+        preload: Modules the fork server imports (only the first use in a process counts).
+
+    Raises:
+        ValueError: ``argv`` is not a command of this Python.
+    """
+
+    def __init__(self, argv: Sequence[str], env: Mapping[str, str], preload: Sequence[str] = ()) -> None:
+        if not self.supports(argv):
+            raise ValueError(f"argv: not a command of this Python ({sys.executable}): {list(argv)[:3]}")
+        self.args = list(argv)
+        ctx = _context(preload)
+        self._proc = ctx.Process(target=_run_python, args=(self.args, dict(env), os.getcwd()), name=self.args[-1])
+        self._proc.start()
+        self.pid: int = int(self._proc.pid or 0)
+        self.returncode: int | None = None
+
+    @staticmethod
+    def supports(argv: Sequence[str]) -> bool:
+        """Whether ``argv`` runs this Python on a module (``-m``) or a script, with no other interpreter options."""
+        args = list(argv)
+        if len(args) < 2 or "forkserver" not in mp.get_all_start_methods():
+            return False
+        if os.path.realpath(args[0]) != os.path.realpath(sys.executable):
+            return False
+        return (args[1] == "-m" and len(args) >= 3) or not args[1].startswith("-")
+
+    def poll(self) -> int | None:
+        """The exit status, or ``None`` while it runs."""
+        if self.returncode is None:
+            self.returncode = self._proc.exitcode
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for the exit (``subprocess.TimeoutExpired`` after ``timeout`` seconds); return the status."""
+        self._proc.join(timeout)
+        code = self.poll()
+        if code is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        """Send ``sig`` unless the process has exited."""
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        """SIGKILL."""
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        """SIGTERM."""
+        self.send_signal(signal.SIGTERM)
 
 
 def find_mpirun() -> str | None:

@@ -21,16 +21,19 @@ from datetime import timedelta
 from types import FrameType
 from typing import Any
 
+from bindings.spawn import ForkedPython
 from resilient_comm.auth import ENV_SECRET_FILE, JobSecret
 from resilient_comm.communicator import ENV_ADDRESS, ENV_JOB, ENV_ROLE, ENV_SLOT
 from resilient_comm.coordinator import Coordinator, CoordinatorConfig
 
-__all__ = ["LaunchConfig", "Launcher", "launch", "ENV_BACKEND"]
+__all__ = ["LaunchConfig", "Launcher", "launch", "ENV_BACKEND", "ENV_PRELOAD"]
 
 logger = logging.getLogger(__name__)
 
 #: The data-plane backend the launcher asks for (``gloo``, ``nccl``).
 ENV_BACKEND = "SPARSECOMM_BACKEND"
+#: Comma-separated modules to preload when :attr:`LaunchConfig.preload` is ``None``.
+ENV_PRELOAD = "SPARSECOMM_LAUNCH_PRELOAD"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,6 +61,14 @@ class LaunchConfig:
             can take over from it, or it from one.
         job: The job id (``None``: a fresh one); with etcd, the id the job's
             coordinators share.
+        preload: Start the processes from a fork server that imported these
+            modules once (:class:`bindings.spawn.ForkedPython`): each starts
+            in milliseconds instead of importing torch itself. Only for a
+            command that runs this Python on a module or a script (others are
+            started as usual); the processes' standard streams are then the
+            launcher's from the moment the first one started. ``None``: the
+            comma-separated list in ``$SPARSECOMM_LAUNCH_PRELOAD``, if set;
+            ``()``: never.
     """
 
     nproc: int
@@ -74,6 +85,7 @@ class LaunchConfig:
     env: Mapping[str, str] = field(default_factory=dict)
     store: str = "tcp"
     job: str | None = None
+    preload: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.nproc, bool) or not isinstance(self.nproc, int) or self.nproc < 1:
@@ -86,7 +98,17 @@ class LaunchConfig:
             not isinstance(self.job_timeout, timedelta) or self.job_timeout.total_seconds() <= 0
         ):
             raise ValueError(f"job_timeout: must be a positive datetime.timedelta, got {self.job_timeout!r}")
+        if self.preload is not None and (
+            not isinstance(self.preload, tuple) or not all(isinstance(m, str) and m for m in self.preload)
+        ):
+            raise ValueError(f"preload: must be a tuple of module names or None, got {self.preload!r}")
         self.coordinator_config(secret=JobSecret.generate())  # validates mode, heartbeat_timeout, host, port...
+
+    def preload_modules(self) -> tuple[str, ...]:
+        """The modules to preload (``preload``, else ``$SPARSECOMM_LAUNCH_PRELOAD``); empty: start as usual."""
+        if self.preload is not None:
+            return self.preload
+        return tuple(m.strip() for m in os.environ.get(ENV_PRELOAD, "").split(",") if m.strip())
 
     def coordinator_config(self, job: str | None = None, secret: JobSecret | None = None) -> CoordinatorConfig:
         """The coordinator settings of this launch, with the job secret ``secret``."""
@@ -133,7 +155,9 @@ class Launcher:
             raise TypeError(f"secret: expected a JobSecret or None, got {type(secret).__name__}")
         self.secret = secret or JobSecret.from_env() or JobSecret.generate()
         self.coordinator = Coordinator(config.coordinator_config(secret=self.secret))
-        self._procs: list[tuple[subprocess.Popen[bytes], str]] = []
+        self._procs: list[tuple[subprocess.Popen[bytes] | ForkedPython, str]] = []
+        preload = config.preload_modules()
+        self._preload = preload if preload and ForkedPython.supports(self.cmd) else None
         self._reported: set[int] = set()
         self._lock = threading.Lock()
 
@@ -145,7 +169,7 @@ class Launcher:
         for _ in range(self.config.spares):
             self._spawn("spare", -1)
 
-    def _spawn(self, role: str, slot: int) -> subprocess.Popen[bytes]:
+    def _spawn(self, role: str, slot: int) -> subprocess.Popen[bytes] | ForkedPython:
         env = dict(os.environ)
         env.update(self.config.env)
         env.pop(ENV_SECRET_FILE, None)
@@ -159,7 +183,11 @@ class Launcher:
                 ENV_BACKEND: self.config.backend,
             }
         )
-        proc = subprocess.Popen(self.cmd, env=env)
+        proc: subprocess.Popen[bytes] | ForkedPython
+        if self._preload is not None:
+            proc = ForkedPython(self.cmd, env, self._preload)
+        else:
+            proc = subprocess.Popen(self.cmd, env=env)
         with self._lock:
             self._procs.append((proc, role))
         logger.info("started %s pid %d%s", role, proc.pid, f" for slot {slot}" if slot >= 0 else "")

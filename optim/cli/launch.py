@@ -71,6 +71,14 @@ def add_launch_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentP
     p.add_argument("--backend", choices=("gloo", "nccl", "mpi"), default="gloo", help="data plane")
     p.add_argument("--job-timeout", type=_seconds, default=None, help="kill everything after this many seconds")
     p.add_argument(
+        "--preload",
+        default=None,
+        help=(
+            "comma-separated modules (e.g. torch,optim) a fork server imports once: a 'python -m MODULE' or "
+            "'python SCRIPT' worker then starts in milliseconds (default: $SPARSECOMM_LAUNCH_PRELOAD)"
+        ),
+    )
+    p.add_argument(
         "--job", default=None, help="job id (default: a fresh random one; with etcd, shared by its coordinators)"
     )
     _add_common(p)
@@ -122,6 +130,7 @@ def _cmd_launch(args: argparse.Namespace) -> int:
             job_timeout=args.job_timeout,
             store=args.store,
             job=args.job,
+            preload=None if args.preload is None else tuple(m for m in args.preload.split(",") if m),
         )
     except ValueError as exc:
         args.cmd_parser.error(str(exc))

@@ -1,4 +1,4 @@
-"""Run a module-level function on N spawned OS processes with real gloo.
+"""Run a module-level function on N local OS processes with real gloo.
 
 ``run_ranks(fn, world_size, *args)`` spawns ``world_size`` processes through
 :func:`bindings.spawn.run_local`, initializes ``sparsecomm.distributed`` in
@@ -18,7 +18,21 @@ from typing import Any
 
 from bindings.spawn import LocalRunError, run_local
 
-__all__ = ["run_ranks", "RanksFailed"]
+__all__ = ["run_ranks", "RanksFailed", "PRELOAD"]
+
+#: Imported once by the fork server the test processes start from (bindings.spawn), not by every process:
+#: the ranks of run_ranks, and the workers of every launcher the tests start (tests/conftest.py).
+PRELOAD = (
+    "sparsecomm.distributed",
+    "resilient_comm",
+    "optim",
+    "optim.resilient",
+    "optim.train_job.train",
+    "optim.benchmarks.hosts",
+    "pytest",
+    "hypothesis",
+    "tests.dist.harness",
+)
 
 
 class RanksFailed(AssertionError):
@@ -66,7 +80,7 @@ def run_ranks(
     op_timeout: float | None = None,
     init_kwargs: dict[str, Any] | None = None,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` local processes.
 
     Args:
         fn: A module-level (picklable) function.
@@ -97,6 +111,7 @@ def run_ranks(
                 dict(init_kwargs or {}),
                 args,
                 timeout=timeout,
+                preload=PRELOAD,
             )
         except LocalRunError as exc:
             raise RanksFailed(str(exc)) from None

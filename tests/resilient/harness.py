@@ -22,11 +22,13 @@ from typing import Any, TypeVar
 from bindings.store import connect_store
 from optim.benchmarks.hosts import kill_all, wait_for
 from optim.paths import REPO_ROOT
+from resilient_comm import keys
 from resilient_comm.auth import ControlStore, JobSecret
 from resilient_comm.events import read_event_dir, read_events
 from resilient_comm.keys import COMMITTED
 from resilient_comm.launcher import LaunchConfig, Launcher
 from resilient_comm.membership import StoreMembership
+from resilient_comm.view import MemberInfo, View
 
 __all__ = ["DrillJob", "JobWatch", "REPO_ROOT", "check_contiguous", "kill_all", "vote_in_threads", "wait_until"]
 
@@ -85,6 +87,14 @@ class JobWatch:
         """The newest step the job committed (``-1``: none yet)."""
         assert self._store is not None
         return int(self._store.get(COMMITTED)) if self._store.check([COMMITTED]) else -1
+
+    def pid_of_slot(self, slot: int) -> int:
+        """The pid of the process holding ``slot`` in the job's current epoch (from its view and registrations)."""
+        store = self._store
+        assert store is not None
+        view = View.from_json(store.get(keys.view(int(store.get(keys.EPOCH)))))
+        member = view.members[slot]
+        return MemberInfo.from_json(store.get(store.private(keys.member(member)))).pid
 
 
 def check_contiguous(records: list[dict[str, Any]]) -> list[int]:
@@ -276,29 +286,3 @@ class DrillJob:
     def wait_epoch(self, timeout: float = 60.0) -> None:
         """Wait until epoch 0 is configured."""
         self.wait_event("epoch_configured", timeout, epoch=0)
-
-
-def children(pid: int) -> list[int]:
-    """Pids of the live children of ``pid`` (from ``/proc``)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry))
-    return out
-
-
-def worker_of_slot(launcher_pid: int, slot: int) -> int:
-    """Pid of the worker a ``sparsecomm launch`` process started for ``slot``."""
-    for pid in children(launcher_pid):
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"SPARSECOMM_ROLE=active" in env and f"SPARSECOMM_SLOT={slot}".encode() in env:
-            return pid
-    raise AssertionError(f"no worker process holds slot {slot}")

@@ -34,7 +34,7 @@ from optim.benchmarks.etcd_cluster import EtcdCluster, etcd_unavailable
 from optim.benchmarks.hosts import wait_for
 from resilient_comm.config import CoordinatorConfig
 from resilient_comm.events import read_event_dir, read_events
-from tests.resilient.harness import JobWatch, check_contiguous, worker_of_slot
+from tests.resilient.harness import JobWatch, check_contiguous
 
 pytestmark = [pytest.mark.dist, pytest.mark.skipif(etcd_unavailable() is not None, reason=str(etcd_unavailable()))]
 
@@ -247,7 +247,7 @@ def test_killed_coordinator_is_replaced_and_training_is_bitwise_unchanged(
         assert len(took["members"]) == 5 and len(took["spares"]) == 1
         assert after >= committed_at_kill  # training never waited for a coordinator
         wait_for(lambda: watch.committed() >= min(after + 3, STEPS - 10), 90, "progress after the takeover")
-        worker = worker_of_slot(launcher.pid, 1)
+        worker = watch.pid_of_slot(1)
         os.kill(worker, signal.SIGKILL)
         assert watch.committed() <= STEPS - 4, "the job was nearly done before the worker's kill: raise the pace"
         log = _finish(launcher)
@@ -346,7 +346,9 @@ def test_a_coordinator_killed_while_it_replaces_a_worker_is_finished_by_the_stan
         wait_for(lambda: len(_events(tmp_path, "c1", "member_started")) == 4, 60, "every process to register")
         logs = tmp_path / "drill"
         wait_for(lambda: any(check_contiguous(r)[-1:] >= [20] for r in read_event_dir(logs).values()), 60, "step 20")
-        victim = worker_of_slot(launcher.pid, 1)
+        address = CoordinatorConfig(world_size=1, store=cluster.address, job=job).store_address
+        watch.connect(address, lambda: launcher is not None and launcher.poll() is None, 60)
+        victim = watch.pid_of_slot(1)
         os.kill(victim, signal.SIGKILL)
         wait_for(lambda: _events(tmp_path, "c1", "failure_detected"), 30, "c1 to detect the failure", 0.002)
         c1.send_signal(signal.SIGKILL)

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from resilient_comm.events import read_events
-from tests.resilient.harness import JobWatch, worker_of_slot
+from tests.resilient.harness import JobWatch
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -65,7 +65,7 @@ def _run(tmp: Path, optimizer: str, spares: int, kill: tuple[int, int] | None = 
             while time.monotonic() < deadline and proc.poll() is None:
                 committed = max(0, watch.committed())
                 if committed >= step - 1 and spare_ready():
-                    pid = worker_of_slot(proc.pid, slot)
+                    pid = watch.pid_of_slot(slot)
                     os.kill(pid, signal.SIGKILL)
                     killed = {"slot": slot, "step": step, "committed": committed, "pid": pid}
                     break
