@@ -46,7 +46,7 @@ from optim.train_job.config import TrainConfig, build_optimizer
 from optim.train_job.tasks import make_task
 from optim.train_job.train import _evaluate, train_step
 from resilient_comm.events import ProcessEvents, read_event_dir
-from resilient_comm.launcher import LaunchConfig, Launcher
+from resilient_comm.launcher import ENV_PRELOAD, LaunchConfig, Launcher
 
 __all__ = ["ResilienceConfig", "run_resilient_training", "worker_main", "failure_timeline", "RECOVERY_MODES"]
 
@@ -279,6 +279,8 @@ def run_resilient_training(config: TrainConfig, res: ResilienceConfig, out: str 
             events=str(out / "coordinator.events"),
             job_timeout=timedelta(seconds=config.job_timeout_s),
             env=pythonpath_env(),
+            # workers and spares fork from a server that imported the train job once (seconds each otherwise)
+            preload=None if os.environ.get(ENV_PRELOAD) else ("optim.train_job.train",),
         ),
     )
     t0 = time.time()

@@ -69,9 +69,18 @@ def _job(tmp: Path, ckpt: Path, *extra: str, kill_after: int | None = None) -> t
     return proc.returncode, report, output.decode(errors="replace")[-4000:]
 
 
-def test_whole_job_killed_then_resumed_bitwise(tmp_path: Path) -> None:
-    rc, ref, log = _job(tmp_path / "ref", tmp_path / "ref-ckpt")
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
+    """The example run once without failures, checkpointing (its report and its checkpoint directory): the
+    reference of every resume below, made once for the module. Tests copy the directory before they touch it."""
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    rc, ref, log = _job(tmp / "run", tmp / "ckpt")
     assert rc == 0 and ref is not None, log
+    return ref, tmp / "ckpt"
+
+
+def test_whole_job_killed_then_resumed_bitwise(tmp_path: Path, uninterrupted: tuple[dict[str, Any], Path]) -> None:
+    ref = uninterrupted[0]
     rc, _, log = _job(tmp_path / "a", tmp_path / "ckpt", kill_after=17)
     assert rc == -signal.SIGKILL or rc != 0, log
     store = CheckpointStore(tmp_path / "ckpt")
@@ -95,10 +104,11 @@ def _flip(path: Path, at: int) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_bad_checkpoint_directories_are_refused_everywhere(tmp_path: Path) -> None:
-    ckpt = tmp_path / "ckpt"
-    rc, ref, log = _job(tmp_path / "run", ckpt)
-    assert rc == 0 and ref is not None, log
+def test_bad_checkpoint_directories_are_refused_everywhere(
+    tmp_path: Path, uninterrupted: tuple[dict[str, Any], Path]
+) -> None:
+    ref, ckpt = uninterrupted[0], tmp_path / "ckpt"
+    shutil.copytree(uninterrupted[1], ckpt)
     store = CheckpointStore(ckpt)
     complete = store.complete_steps(NPROC)
     newest = complete[-1]

@@ -1,4 +1,4 @@
-"""The built distributions, installed the way a user installs them (issue 44).
+"""The built distributions, installed the way a user installs them.
 
 `make test` runs against an editable install, which finds every folder of the
 checkout, so a subpackage left out of the wheel goes unnoticed there. These
