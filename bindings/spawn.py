@@ -191,8 +191,13 @@ def run_local(
     return [outcome[r][1] for r in range(nprocs)]
 
 
-def _run_python(argv: list[str], env: dict[str, str], cwd: str) -> None:
+def _run_python(argv: list[str], env: dict[str, str], cwd: str, output: str | None) -> None:
     """In a forked child: become ``python ARGV...`` (``-m MODULE`` or a script) in this already-warm interpreter."""
+    if output is not None:
+        fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        for std in (1, 2):
+            os.dup2(fd, std)
+        os.close(fd)
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
@@ -216,25 +221,30 @@ class ForkedPython:
     A separate OS process like any other (real signals, its own sockets), but
     forked from an interpreter that already imported ``preload`` (see
     :func:`run_local`), so it starts in milliseconds. Its standard streams are
-    the fork server's (those of the process that first used it). An exit by
-    signal reads as ``-signum``, as with ``Popen``.
+    the fork server's (those of the process that first used it), or the file
+    ``output``. An exit by signal reads as ``-signum``, as with ``Popen``.
 
     Args:
         argv: ``[sys.executable, "-m", MODULE, ...]`` or ``[sys.executable, SCRIPT, ...]``
             (:meth:`supports` tells).
         env: The whole environment of the new process.
         preload: Modules the fork server imports (only the first use in a process counts).
+        output: A file its standard output and error are appended to (``None``: the fork server's).
 
     Raises:
         ValueError: ``argv`` is not a command of this Python.
     """
 
-    def __init__(self, argv: Sequence[str], env: Mapping[str, str], preload: Sequence[str] = ()) -> None:
+    def __init__(
+        self, argv: Sequence[str], env: Mapping[str, str], preload: Sequence[str] = (), output: str | None = None
+    ) -> None:
         if not self.supports(argv):
             raise ValueError(f"argv: not a command of this Python ({sys.executable}): {list(argv)[:3]}")
         self.args = list(argv)
         ctx = _context(preload)
-        self._proc = ctx.Process(target=_run_python, args=(self.args, dict(env), os.getcwd()), name=self.args[-1])
+        self._proc = ctx.Process(
+            target=_run_python, args=(self.args, dict(env), os.getcwd(), output), name=self.args[-1]
+        )
         self._proc.start()
         self.pid: int = int(self._proc.pid or 0)
         self.returncode: int | None = None

@@ -69,6 +69,9 @@ class LaunchConfig:
             launcher's from the moment the first one started. ``None``: the
             comma-separated list in ``$SPARSECOMM_LAUNCH_PRELOAD``, if set;
             ``()``: never.
+        log_dir: Write each process's standard output and error to a file of
+            its own there, ``<role>-<n>.log`` (``n`` counts the processes of
+            the job from 0); ``None``: they share the launcher's.
     """
 
     nproc: int
@@ -86,6 +89,7 @@ class LaunchConfig:
     store: str = "tcp"
     job: str | None = None
     preload: tuple[str, ...] | None = None
+    log_dir: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.nproc, bool) or not isinstance(self.nproc, int) or self.nproc < 1:
@@ -184,14 +188,24 @@ class Launcher:
             }
         )
         proc: subprocess.Popen[bytes] | ForkedPython
-        if self._preload is not None:
-            proc = ForkedPython(self.cmd, env, self._preload)
-        else:
-            proc = subprocess.Popen(self.cmd, env=env)
         with self._lock:
+            log = self._log_path(role)
+            if self._preload is not None:
+                proc = ForkedPython(self.cmd, env, self._preload, output=log)
+            elif log is not None:
+                with open(log, "ab") as out:
+                    proc = subprocess.Popen(self.cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+            else:
+                proc = subprocess.Popen(self.cmd, env=env)
             self._procs.append((proc, role))
         logger.info("started %s pid %d%s", role, proc.pid, f" for slot {slot}" if slot >= 0 else "")
         return proc
+
+    def _log_path(self, role: str) -> str | None:
+        if self.config.log_dir is None:
+            return None
+        os.makedirs(self.config.log_dir, exist_ok=True)
+        return os.path.join(self.config.log_dir, f"{role}-{len(self._procs)}.log")
 
     def add_spare(self) -> int:
         """Start one more spare while the job runs; returns its pid."""

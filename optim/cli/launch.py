@@ -78,6 +78,7 @@ def add_launch_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentP
             "'python SCRIPT' worker then starts in milliseconds (default: $SPARSECOMM_LAUNCH_PRELOAD)"
         ),
     )
+    p.add_argument("--log-dir", default=None, help="each process's output to a file of its own there (<role>-<n>.log)")
     p.add_argument(
         "--job", default=None, help="job id (default: a fresh random one; with etcd, shared by its coordinators)"
     )
@@ -131,6 +132,7 @@ def _cmd_launch(args: argparse.Namespace) -> int:
             store=args.store,
             job=args.job,
             preload=None if args.preload is None else tuple(m for m in args.preload.split(",") if m),
+            log_dir=args.log_dir,
         )
     except ValueError as exc:
         args.cmd_parser.error(str(exc))

@@ -30,7 +30,16 @@ from resilient_comm.launcher import LaunchConfig, Launcher
 from resilient_comm.membership import StoreMembership
 from resilient_comm.view import MemberInfo, View
 
-__all__ = ["DrillJob", "JobWatch", "REPO_ROOT", "check_contiguous", "kill_all", "vote_in_threads", "wait_until"]
+__all__ = [
+    "DrillJob",
+    "JobWatch",
+    "REPO_ROOT",
+    "check_contiguous",
+    "kill_all",
+    "run_job",
+    "vote_in_threads",
+    "wait_until",
+]
 
 
 T = TypeVar("T")
@@ -95,6 +104,15 @@ class JobWatch:
         view = View.from_json(store.get(keys.view(int(store.get(keys.EPOCH)))))
         member = view.members[slot]
         return MemberInfo.from_json(store.get(store.private(keys.member(member)))).pid
+
+
+def run_job(cmd: list[str], log_dir: Path, **config: Any) -> tuple[int, str]:
+    """Run ``cmd`` as a job under a launcher in this process (``LaunchConfig(**config)``): its processes fork
+    from the suite's warm fork server. Returns the job's status and every process's output (from ``log_dir``)."""
+    launcher = Launcher(cmd, LaunchConfig(log_dir=str(log_dir), **config))
+    launcher.start()
+    code = launcher.wait()
+    return code, "".join(p.read_text(errors="replace") for p in sorted(Path(log_dir).glob("*.log")))
 
 
 def check_contiguous(records: list[dict[str, Any]]) -> list[int]:

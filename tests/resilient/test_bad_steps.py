@@ -1,16 +1,17 @@
 """Bad steps are skipped, not fatal (optim.resilient): a NaN gradient or an infinite loss injected for real on one
-worker of a ``sparsecomm launch`` job."""
+worker of a launched job."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.resilient.harness import run_job
 
 pytestmark = pytest.mark.dist
 
@@ -20,14 +21,12 @@ WORKER = ROOT / "tests" / "resilient" / "workers" / "bad_step.py"
 
 def _run(tmp: Path, *args: str, nproc: int = 3) -> tuple[int, list[dict[str, Any]], str]:
     tmp.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "optim", "launch", "--nproc", str(nproc), "--spares", "0", "--job-timeout", "150"]
-    cmd += ["--", sys.executable, str(WORKER), "--out", str(tmp), *args]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=200)
+    cmd = [sys.executable, str(WORKER), "--out", str(tmp), *args]
+    rc, log = run_job(cmd, tmp / "logs", nproc=nproc, job_timeout=timedelta(seconds=150))
     reports = [
         json.loads((tmp / f"slot{s}.json").read_text()) for s in range(nproc) if (tmp / f"slot{s}.json").exists()
     ]
-    return proc.returncode, reports, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return rc, reports, log[-6000:]
 
 
 @pytest.mark.parametrize("optimizer", ["scape", "adamw"])

@@ -1,7 +1,6 @@
 """Persistent checkpoints (optim.checkpoint through optim.resilient): the whole job SIGKILLed, launcher and all,
 then resumed bit for bit; and every kind of bad checkpoint directory refused on every rank before anything loads.
-
-The job is ``examples/resilient_loop.py`` under ``sparsecomm launch``, as users run it.
+The job is ``examples/resilient_loop.py`` under a launcher (``sparsecomm launch`` where the whole job is killed).
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +22,10 @@ import pytest
 import torch
 
 from optim.checkpoint import MAGIC, CheckpointError, CheckpointStore
+from optim.cli.main import main
 from optim.train_job.resilient import train_config_from
 from optim.train_job.tasks import make_task
-from tests.resilient.harness import JobWatch
+from tests.resilient.harness import JobWatch, run_job
 
 pytestmark = pytest.mark.dist
 
@@ -41,12 +42,17 @@ def _free_port() -> int:
 
 
 def _job(tmp: Path, ckpt: Path, *extra: str, kill_after: int | None = None) -> tuple[int, dict[str, Any] | None, str]:
-    """Run the example; with ``kill_after``, SIGKILL the whole job (launcher included) once that step committed."""
+    """Run the example under a launcher in this process; with ``kill_after``, under ``sparsecomm launch`` instead,
+    SIGKILLed as a whole (launcher included) once that step committed."""
     tmp.mkdir(parents=True, exist_ok=True)
     out, port = tmp / "report.json", _free_port()
+    job = [sys.executable, str(EXAMPLE), "--optimizer", "scape", "--steps", str(STEPS)]
+    job += ["--out", str(out), "--checkpoint-dir", str(ckpt), "--checkpoint-every", str(EVERY), *extra]
+    if kill_after is None:
+        rc, log = run_job(job, tmp / "logs", nproc=NPROC, job_timeout=timedelta(seconds=150))
+        return rc, json.loads(out.read_text()) if out.exists() else None, log[-4000:]
     cmd = [sys.executable, "-m", "optim", "launch", "--nproc", str(NPROC), "--spares", "0", "--port", str(port)]
-    cmd += ["--job-timeout", "150", "--", sys.executable, str(EXAMPLE), "--optimizer", "scape", "--steps", str(STEPS)]
-    cmd += ["--out", str(out), "--checkpoint-dir", str(ckpt), "--checkpoint-every", str(EVERY), *extra]
+    cmd += ["--job-timeout", "150", "--", *job]
     watch = JobWatch()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     env.update(watch.env)
@@ -180,9 +186,9 @@ def _check_export(ckpt: Path, out: Path, digest: str | None) -> None:
 
 
 def _train(out: Path, *args: str) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "optim", "train", "--nproc", "2", "--eval-interval", "10", "--out", str(out), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    """``sparsecomm train`` (its ``main``, in this process: the workers fork from the suite's fork server)."""
+    argv = ["train", "--nproc", "2", "--eval-interval", "10", "--out", str(out), *args]
+    assert main(argv) == 0
     report: dict[str, Any] = json.loads((out / "report.json").read_text())
     assert report["status"] == 0
     return report
@@ -273,11 +279,9 @@ def test_a_worker_killed_while_the_resume_loads_goes_on_from_the_checkpoint(tmp_
 
     def run(out: Path, *args: str) -> dict[str, Any]:
         out.mkdir(parents=True)
-        cmd = [sys.executable, "-m", "optim", "launch", "--nproc", "3", "--spares", str(spares), "--job-timeout", "150"]
-        cmd += ["--", sys.executable, str(RESUME_KILL), "--out", str(out), *args]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=200)
-        assert proc.returncode == 0 and (out / "report.json").exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+        cmd = [sys.executable, str(RESUME_KILL), "--out", str(out), *args]
+        rc, log = run_job(cmd, out / "logs", nproc=3, spares=spares, job_timeout=timedelta(seconds=150))
+        assert rc == 0 and (out / "report.json").exists(), log[-6000:]
         report: dict[str, Any] = json.loads((out / "report.json").read_text())
         return report
 
