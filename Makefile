@@ -26,7 +26,7 @@ test: $(STAMP)
 	sh tests/install_debian.sh tests/resilient/test_etcd.py etcd etcd-server
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# The inner loop: everything that starts no rank processes and no mpirun (unit tests), in well under 2 minutes.
+# The inner loop: everything that starts no rank processes and no mpirun (unit tests), in under a minute.
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow and not dist and not mpi" $(PYTEST_ARGS)
 

@@ -54,6 +54,7 @@ def test_overhead_uses_steady_block_steps_only() -> None:
     assert got["overhead_paired_median"] == pytest.approx(((9.0 / 0.101 - 1) + (0.201 / 0.101 - 1)) / 2)
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(420)
 def test_checkpoint_bench_tiny(tmp_path: Path) -> None:
     config = CheckpointBenchConfig(

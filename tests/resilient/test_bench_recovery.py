@@ -22,6 +22,7 @@ def test_config_rejects_bad_values() -> None:
         RecoveryBenchConfig(spares=-1)
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(240)
 def test_recovery_bench_sigkill_hotswap(tmp_path: Path) -> None:
     config = RecoveryBenchConfig(nprocs=(3,), faults=("sigkill",), repeats=1, fault_step=3, steps_after=3)
@@ -41,6 +42,7 @@ def test_recovery_bench_sigkill_hotswap(tmp_path: Path) -> None:
     json.dumps(bench)  # the CLI writes it as JSON
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(120)
 def test_recovery_bench_reports_a_failed_job_at_once() -> None:
     """2 workers lose 1: no majority survives, the job fails and the benchmark says so (no hang)."""
@@ -49,6 +51,7 @@ def test_recovery_bench_reports_a_failed_job_at_once() -> None:
         run_recovery_bench(config)
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(unavailable() is not None, reason=f"no network namespaces: {unavailable()}")
 def test_recovery_bench_partition_and_lost_coordinator() -> None:
@@ -67,6 +70,7 @@ def test_recovery_bench_partition_and_lost_coordinator() -> None:
     assert "partition" in table and "all gave up" in table
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(etcd_unavailable() is not None, reason=str(etcd_unavailable()))
 def test_recovery_bench_coordinator_failover() -> None:
