@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from bindings.spawn import ForkedPython
 from optim.benchmarks.drill import command as drill_command
 from optim.paths import pythonpath_env
 from resilient_comm.events import read_event_dir, read_events
@@ -52,7 +53,7 @@ def wait_for(pred: Callable[[], T], timeout: float, what: str, interval: float =
         time.sleep(interval)
 
 
-def kill_all(procs: Sequence[subprocess.Popen[bytes]]) -> None:
+def kill_all(procs: Sequence[subprocess.Popen[bytes] | ForkedPython]) -> None:
     """Resume (SIGCONT) and kill (SIGKILL) every process still running, then reap them (10 s each at most)."""
     for p in procs:
         if p.poll() is None:

@@ -19,6 +19,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
+from bindings.spawn import ForkedPython
 from bindings.store import connect_store
 from optim.benchmarks.hosts import kill_all, wait_for
 from optim.paths import REPO_ROOT
@@ -219,7 +220,7 @@ class DrillJob:
         return self._rc
 
     # ------------------------------------------------------------------ processes
-    def processes(self) -> list[subprocess.Popen[bytes]]:
+    def processes(self) -> list[subprocess.Popen[bytes] | ForkedPython]:
         """Every process the launcher started (it keeps no public list)."""
         with self.launcher._lock:
             return [p for p, _ in self.launcher._procs]

@@ -7,6 +7,7 @@ host of its own, every one reaching the others through the bridge only.
 from __future__ import annotations
 
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -221,19 +222,23 @@ def test_a_worker_cut_off_comes_back_as_a_spare_and_is_promoted_at_the_next_fail
         assert job.events("job_completed", epoch=2)
 
 
+def _job_with_a_spare(hosts: Hosts, tmp: Path, steps: int) -> tuple[HostsJob, subprocess.Popen[bytes]]:
+    """3 workers and a spare at a 1 s heartbeat timeout, training; and the worker on host 2 (5 steps done)."""
+    job = HostsJob(hosts, tmp, workers=3, spares=1, steps=steps, sleep=0.05, hb=1.0, mode="hotswap")
+    job.wait_event("epoch_configured", 60, epoch=0)
+    job.wait_progress(job.workers[1].pid, 5)
+    return job, job.workers[1]
+
+
 @pytest.mark.timeout(180)
 def test_link_blips_shorter_than_the_heartbeat_timeout_evict_nobody(tmp_path: Path) -> None:
     """A worker's host drops off the switch, three times for 0.3 s and three times for 0.7 s, at a 1 s
     heartbeat timeout: nobody is declared failed and the spare is never used. After a 0.7 s outage TCP's
     retransmission back-off (0.2 s, 0.4 s, 0.8 s) holds the next heartbeat through the store until about
     1.4 s; the datagram heartbeats arrive as soon as the host is back."""
-    hb = 1.0
     with Hosts(5) as hosts:
-        job = HostsJob(hosts, tmp_path, workers=3, spares=1, steps=200, sleep=0.05, hb=hb, mode="hotswap")
+        job, flapping = _job_with_a_spare(hosts, tmp_path, 200)
         try:
-            job.wait_event("epoch_configured", 60, epoch=0)
-            flapping = job.workers[1]
-            job.wait_progress(flapping.pid, 5)
             for outage_s in (0.3, 0.7, 0.3, 0.7, 0.3, 0.7):
                 hosts.detach(2)
                 time.sleep(outage_s)
@@ -254,13 +259,9 @@ def test_a_flapping_link_does_not_drain_the_spares(tmp_path: Path) -> None:
     keeps the carrier down for about a second each time, so the worker is silent for seconds and is
     evicted): the spare takes its slot, and the evicted process, alive, comes back as a spare. The job
     still has a spare afterwards and ends with every process exiting 0."""
-    hb = 1.0
     with Hosts(5) as hosts:
-        job = HostsJob(hosts, tmp_path, workers=3, spares=1, steps=250, sleep=0.05, hb=hb, mode="hotswap")
+        job, flapping = _job_with_a_spare(hosts, tmp_path, 250)
         try:
-            job.wait_event("epoch_configured", 60, epoch=0)
-            flapping = job.workers[1]
-            job.wait_progress(flapping.pid, 5)
             for _ in range(6):
                 hosts.cut(2)
                 time.sleep(0.3)

@@ -86,15 +86,20 @@ def _task_pids(job: str, procid: int) -> list[int]:
     return found
 
 
-def test_fault_tolerant_example_with_a_spare_under_srun(slurm: SlurmCluster, tmp_path: Path) -> None:
-    coord = subprocess.Popen(
-        [sys.executable, "-m", "optim", "coordinator", "--world-size", "3", "--heartbeat-timeout", "1"],
+def _coordinator(*args: str) -> subprocess.Popen[str]:
+    """A standalone ``sparsecomm coordinator`` (its first line of output names the job's variables)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "optim", "coordinator", *args],
         env={**os.environ, **ENV},
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
+
+
+def test_fault_tolerant_example_with_a_spare_under_srun(slurm: SlurmCluster, tmp_path: Path) -> None:
+    coord = _coordinator("--world-size", "3", "--heartbeat-timeout", "1")
     try:
         assert coord.stdout is not None
         line = coord.stdout.readline()
@@ -150,14 +155,7 @@ def test_fault_tolerant_example_with_a_spare_under_srun(slurm: SlurmCluster, tmp
 def test_a_job_with_an_unused_spare_ends_under_srun(slurm: SlurmCluster, tmp_path: Path) -> None:
     """The README's srun recipe with a spare and no failure: srun returns (every task exited 0, the spare
     too) and the standalone coordinator exits 0 by itself."""
-    coord = subprocess.Popen(
-        [sys.executable, "-m", "optim", "coordinator", "--world-size", "2", "--events", str(tmp_path / "ev.jsonl")],
-        env={**os.environ, **ENV},
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    coord = _coordinator("--world-size", "2", "--events", str(tmp_path / "ev.jsonl"))
     try:
         assert coord.stdout is not None
         fields = dict(kv.split("=", 1) for kv in coord.stdout.readline().split())
