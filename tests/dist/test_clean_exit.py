@@ -81,17 +81,19 @@ def test_destroy_ends_the_gloo_worker_threads_whatever_the_script_holds() -> Non
 
 
 def _spawned_job(optimizer: bool) -> tuple[list[int | None], str]:
-    """One job of ``clean_exit.run`` on 2 processes started as :func:`bindings.spawn.run_local` starts them.
+    """One job of ``clean_exit.run`` on 2 processes spawned as :func:`bindings.spawn.run_local` spawns them
+    where there is no fork server (a fresh interpreter per rank, which tears itself down at the end).
 
     Unlike ``run_local`` (which kills ranks still running once all reported),
     the processes end on their own and their exit codes are returned.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    args = (30, optimizer)
     procs = [
         ctx.Process(
-            target=_child, args=(clean_exit.run, r, 2, env, (30, optimizer), results), name=f"rank{r}", daemon=True
+            target=_child, args=(clean_exit.run, r, 2, env, os.getcwd(), args, results), name=f"rank{r}", daemon=True
         )
         for r in range(2)
     ]
