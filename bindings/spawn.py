@@ -206,6 +206,7 @@ def _run_python(argv: list[str], env: dict[str, str], cwd: str, output: str | No
         sys.modules["torch"].set_num_threads(int(threads))  # read at import, which happened before
     if argv[1] == "-m":
         sys.argv = [argv[2], *argv[3:]]
+        sys.modules.pop(argv[2], None)  # preloaded by its package: `python -m` runs it before any import of it
         runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
     else:
         sys.argv = argv[1:]
