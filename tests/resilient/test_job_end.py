@@ -52,16 +52,20 @@ def _start(tmp: Path, fields: dict[str, str], role: str, slot: int, name: str, s
     return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
 
 
+def _spare_started(tmp: Path) -> bool:
+    events = read_events(tmp / "events.jsonl", missing_ok=True)
+    return any(e["event"] == "member_started" and e.get("role") == "spare" for e in events)
+
+
 @pytest.mark.timeout(180)
 def test_workers_finish_and_the_spare_and_the_standalone_coordinator_exit_0(tmp_path: Path) -> None:
     coord, fields = _coordinator(tmp_path, 2)
-    procs = [
-        _start(tmp_path, fields, "active", 0, "w0.json", 30),
-        _start(tmp_path, fields, "active", 1, "w1.json", 30),
-        _start(tmp_path, fields, "spare", -1, "s.json", 30),
-    ]
-    try:
-        workers, spare = procs[:2], procs[2]
+    spare = _start(tmp_path, fields, "spare", -1, "s.json", 30)
+    procs = [spare]
+    try:  # the spare is registered before the work starts (so it is one when the work ends, however slow its start)
+        wait_until(lambda: _spare_started(tmp_path), 60, "the spare to register")
+        workers = [_start(tmp_path, fields, "active", s, f"w{s}.json", 30) for s in (0, 1)]
+        procs += workers
         for w in workers:
             assert w.wait(timeout=150) == 0, (tmp_path / "w0.json.log").read_text()[-2000:]
         last_worker = time.monotonic()
