@@ -159,8 +159,11 @@ def test_a_job_with_an_unused_spare_ends_under_srun(slurm: SlurmCluster, tmp_pat
     try:
         assert coord.stdout is not None
         fields = dict(kv.split("=", 1) for kv in coord.stdout.readline().split())
+        # the spare registers before the workers start (so it is one when the work ends, however slow its start)
+        registered = f'grep -q \'"role": "spare"\' {tmp_path / "ev.jsonl"}'
         script = (
-            'if [ "$SLURM_PROCID" -ge 2 ]; then export SPARSECOMM_ROLE=spare; fi; '
+            'if [ "$SLURM_PROCID" -ge 2 ]; then export SPARSECOMM_ROLE=spare; '
+            f"else for i in $(seq 600); do {registered} && break; sleep 0.1; done; fi; "
             f"exec {sys.executable} {ROOT / 'examples/resilient_loop.py'} --optimizer adamw --steps 20 "
             f"--out {tmp_path / 'report.json'}"
         )
