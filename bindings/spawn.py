@@ -21,6 +21,7 @@ working directory. Where there is no fork server, ranks are spawned.
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 import os
 import queue
@@ -191,8 +192,29 @@ def run_local(
     return [outcome[r][1] for r in range(nprocs)]
 
 
-def _run_python(argv: list[str], env: dict[str, str], cwd: str, output: str | None) -> None:
+#: ``setns(2)``'s flag for a network namespace.
+_CLONE_NEWNET = 0x40000000
+
+
+def _enter_netns(name: str) -> None:
+    """Move this (single-threaded) process into the named network namespace, as ``ip netns exec NAME`` does."""
+    fd = os.open(os.path.join("/run/netns", name), os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if hasattr(os, "setns"):  # Python 3.12+
+            os.setns(fd, _CLONE_NEWNET)
+        else:
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.setns(fd, _CLONE_NEWNET) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"setns into network namespace {name!r}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+def _run_python(argv: list[str], env: dict[str, str], cwd: str, output: str | None, netns: str | None) -> None:
     """In a forked child: become ``python ARGV...`` (``-m MODULE`` or a script) in this already-warm interpreter."""
+    if netns is not None:
+        _enter_netns(netns)
     if output is not None:
         fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         for std in (1, 2):
@@ -231,20 +253,29 @@ class ForkedPython:
         env: The whole environment of the new process.
         preload: Modules the fork server imports (only the first use in a process counts).
         output: A file its standard output and error are appended to (``None``: the fork server's).
+        netns: A network namespace (a name under ``/run/netns``, as ``ip netns`` makes) it runs in, as
+            ``ip netns exec NAME python ...`` would (needs root); ``None``: the fork server's.
 
     Raises:
         ValueError: ``argv`` is not a command of this Python.
     """
 
     def __init__(
-        self, argv: Sequence[str], env: Mapping[str, str], preload: Sequence[str] = (), output: str | None = None
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        preload: Sequence[str] = (),
+        output: str | None = None,
+        netns: str | None = None,
     ) -> None:
         if not self.supports(argv):
             raise ValueError(f"argv: not a command of this Python ({sys.executable}): {list(argv)[:3]}")
+        if netns is not None and (not netns or "/" in netns or netns in (".", "..")):
+            raise ValueError(f"netns: expected a namespace name, got {netns!r}")
         self.args = list(argv)
         ctx = _context(preload)
         self._proc = ctx.Process(
-            target=_run_python, args=(self.args, dict(env), os.getcwd(), output), name=self.args[-1]
+            target=_run_python, args=(self.args, dict(env), os.getcwd(), output, netns), name=self.args[-1]
         )
         self._proc.start()
         self.pid: int = int(self._proc.pid or 0)

@@ -33,12 +33,15 @@ from optim.benchmarks.drill import command as drill_command
 from optim.paths import pythonpath_env
 from resilient_comm.events import read_event_dir, read_events
 
-__all__ = ["DEFAULT_PORT", "Hosts", "HostsJob", "Loopback", "kill_all", "unavailable", "wait_for"]
+__all__ = ["DEFAULT_PORT", "HostProcess", "Hosts", "HostsJob", "Loopback", "kill_all", "unavailable", "wait_for"]
 
 #: The coordinator's port in :class:`HostsJob` (each namespace has its own ports).
 DEFAULT_PORT = 29400
 
 T = TypeVar("T")
+
+#: A process a host runs: forked from the warm fork server, or a fresh one.
+HostProcess = subprocess.Popen[bytes] | ForkedPython
 
 
 def wait_for(pred: Callable[[], T], timeout: float, what: str, interval: float = 0.005) -> T:
@@ -53,7 +56,7 @@ def wait_for(pred: Callable[[], T], timeout: float, what: str, interval: float =
         time.sleep(interval)
 
 
-def kill_all(procs: Sequence[subprocess.Popen[bytes] | ForkedPython]) -> None:
+def kill_all(procs: Sequence[HostProcess]) -> None:
     """Resume (SIGCONT) and kill (SIGKILL) every process still running, then reap them (10 s each at most)."""
     for p in procs:
         if p.poll() is None:
@@ -87,10 +90,31 @@ def unavailable() -> str | None:
     return None
 
 
+def _start(
+    argv: Sequence[str], env: Mapping[str, str], netns: str | None, output: str | None, **kw: Any
+) -> HostProcess:
+    """``argv`` with ``env`` (in ``netns``): forked from the warm fork server where it is this Python on a
+    module or script and nothing else is asked of it (``kw``), else a fresh process."""
+    if not kw and ForkedPython.supports(argv):
+        return ForkedPython(argv, env, output=output, netns=netns)
+    if output is not None:
+        kw = {**kw, "stdout": open(output, "ab"), "stderr": subprocess.STDOUT}  # noqa: SIM115 - the child owns it
+    prefix = [] if netns is None else ["ip", "netns", "exec", netns]
+    proc: subprocess.Popen[bytes] = subprocess.Popen([*prefix, *argv], env=dict(env), **kw)
+    if output is not None:
+        kw["stdout"].close()
+    return proc
+
+
 class _Hosts(Protocol):
     def run(
-        self, i: int, argv: Sequence[str], env: Mapping[str, str] | None = None, **kw: object
-    ) -> subprocess.Popen[bytes]: ...
+        self,
+        i: int,
+        argv: Sequence[str],
+        env: Mapping[str, str] | None = None,
+        output: str | None = None,
+        **kw: Any,
+    ) -> HostProcess: ...
 
     def address(self, i: int) -> str: ...
 
@@ -112,7 +136,7 @@ class Hosts:
         self._subnet = f"10.{200 + tag % 50}.{tag % 250}"
         self.n = n
         self._bridge = f"scb{tag}"
-        self._procs: list[subprocess.Popen[bytes]] = []
+        self._procs: list[HostProcess] = []
         self._made: list[str] = []
         try:
             _ip("link", "add", self._bridge, "type", "bridge")
@@ -153,11 +177,23 @@ class Hosts:
         _ip("link", "set", outer, "up")
 
     def run(
-        self, i: int, argv: Sequence[str], env: Mapping[str, str] | None = None, **kw: object
-    ) -> subprocess.Popen[bytes]:
-        """Start ``argv`` inside host ``i`` (``env`` added to this process's environment)."""
-        full = {**os.environ, **(env or {})}
-        proc = subprocess.Popen(["ip", "netns", "exec", self.ns(i), *argv], env=full, **kw)  # type: ignore[call-overload]
+        self, i: int, argv: Sequence[str], env: Mapping[str, str] | None = None, output: str | None = None, **kw: Any
+    ) -> HostProcess:
+        """Start ``argv`` inside host ``i`` (``env`` added to this process's environment).
+
+        This Python on a module or a script is forked from the warm fork
+        server and moved into the host's namespace (see
+        :class:`~bindings.spawn.ForkedPython`); anything else, or a call with
+        :class:`subprocess.Popen` keywords ``kw``, runs under ``ip netns exec``.
+
+        Args:
+            i: The host.
+            argv: The command.
+            env: Variables added to this process's environment.
+            output: A file the process's standard output and error are appended to (``None``: this process's).
+            **kw: :class:`subprocess.Popen` keywords (``stdout=subprocess.PIPE``, ...).
+        """
+        proc = _start(argv, {**os.environ, **(env or {})}, self.ns(i), output, **kw)
         self._procs.append(proc)
         return proc
 
@@ -209,13 +245,13 @@ class Loopback:
     """Every "host" is this machine's loopback: processes start here; :meth:`close` kills what is left."""
 
     def __init__(self) -> None:
-        self._procs: list[subprocess.Popen[bytes]] = []
+        self._procs: list[HostProcess] = []
 
     def run(
-        self, i: int, argv: Sequence[str], env: Mapping[str, str] | None = None, **kw: object
-    ) -> subprocess.Popen[bytes]:
-        """Start ``argv`` here (``env`` added to this process's environment)."""
-        proc = subprocess.Popen(list(argv), env={**os.environ, **(env or {})}, **kw)  # type: ignore[call-overload]
+        self, i: int, argv: Sequence[str], env: Mapping[str, str] | None = None, output: str | None = None, **kw: Any
+    ) -> HostProcess:
+        """Start ``argv`` here (``env`` added to this process's environment); as :meth:`Hosts.run`."""
+        proc = _start(argv, {**os.environ, **(env or {})}, None, output, **kw)
         self._procs.append(proc)
         return proc
 
@@ -279,11 +315,19 @@ class HostsJob:
         argv = [sys.executable, "-m", "optim", "coordinator", "--world-size", str(workers), "--mode", mode]
         argv += ["--heartbeat-timeout", str(hb), "--stall-grace", str(grace), "--host", hosts.address(0)]
         argv += ["--port", str(port), "--events", str(self.events_path), "--job", job, "--secret-file", str(secret)]
-        self.coordinator = hosts.run(0, argv, env=pythonpath_env(), stdout=subprocess.PIPE)
-        assert self.coordinator.stdout is not None
-        banner = self.coordinator.stdout.readline().decode()
-        if f"SPARSECOMM_COORDINATOR={hosts.address(0)}:{port}" not in banner:
-            raise RuntimeError(f"the coordinator did not start: {banner!r}")
+        out = self.tmp / "coordinator.out"
+        self.coordinator = hosts.run(0, argv, env=pythonpath_env(), output=str(out))
+        want = f"SPARSECOMM_COORDINATOR={hosts.address(0)}:{port}"
+
+        def banner() -> bool:
+            text = out.read_text() if out.exists() else ""
+            if want in text:
+                return True
+            if self.coordinator.poll() is not None:
+                raise RuntimeError(f"the coordinator did not start (exit {self.coordinator.returncode}): {text!r}")
+            return False
+
+        wait_for(banner, 60, "the coordinator's banner", 0.01)
         env = {
             **pythonpath_env(),
             "SPARSECOMM_COORDINATOR": f"{hosts.address(0)}:{port}",
@@ -293,7 +337,7 @@ class HostsJob:
         }
         drill = drill_command(steps=steps, numel=numel, sleep=sleep, log=self.log_dir, timeout=timeout)
 
-        def start(host: int, role: str, slot: int) -> subprocess.Popen[bytes]:
+        def start(host: int, role: str, slot: int) -> HostProcess:
             more = {"SPARSECOMM_ROLE": role, "SPARSECOMM_SLOT": str(slot), "GLOO_SOCKET_IFNAME": hosts.interface(host)}
             return hosts.run(host, drill, env={**env, **more})
 

@@ -7,14 +7,14 @@ host of its own, every one reaching the others through the bridge only.
 from __future__ import annotations
 
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from optim.benchmarks.hosts import DEFAULT_PORT, Hosts, HostsJob, unavailable, wait_for
+from bindings.spawn import ForkedPython
+from optim.benchmarks.hosts import DEFAULT_PORT, HostProcess, Hosts, HostsJob, unavailable, wait_for
 from tests.resilient.harness import check_contiguous
 
 pytestmark = [
@@ -24,8 +24,9 @@ pytestmark = [
 
 
 @pytest.mark.timeout(60)
-def test_hosts_reach_each_other_only_through_the_bridge() -> None:
-    """Each host has its own loopback: a port open on the test's 127.0.0.1 is not reachable from a host."""
+def test_hosts_reach_each_other_only_through_the_bridge(tmp_path: Path) -> None:
+    """Each host has its own loopback: a port open on the test's 127.0.0.1 is not reachable from a host,
+    whether the process runs under ``ip netns exec`` (``python -c``) or is forked into the host (a script)."""
     with socket.socket() as listener, Hosts(2) as hosts:
         listener.bind(("127.0.0.1", 0))
         listener.listen()
@@ -44,8 +45,14 @@ def test_hosts_reach_each_other_only_through_the_bridge() -> None:
         server = hosts.run(0, [sys.executable, "-c", listen + "time.sleep(30)"])
         time.sleep(1.0)
         code = hosts.run(1, [sys.executable, "-c", probe]).wait(timeout=30)
+        script = tmp_path / "probe.py"
+        script.write_text(probe)
+        forked = hosts.run(1, [sys.executable, str(script)])
+        assert isinstance(forked, ForkedPython)
+        forked_code = forked.wait(timeout=30)
         server.kill()
     assert code == 1, code  # host 0 reachable through the bridge; the test's loopback not
+    assert forked_code == 1, forked_code
 
 
 @pytest.mark.timeout(180)
@@ -222,7 +229,7 @@ def test_a_worker_cut_off_comes_back_as_a_spare_and_is_promoted_at_the_next_fail
         assert job.events("job_completed", epoch=2)
 
 
-def _job_with_a_spare(hosts: Hosts, tmp: Path, steps: int) -> tuple[HostsJob, subprocess.Popen[bytes]]:
+def _job_with_a_spare(hosts: Hosts, tmp: Path, steps: int) -> tuple[HostsJob, HostProcess]:
     """3 workers and a spare at a 1 s heartbeat timeout, training; and the worker on host 2 (5 steps done)."""
     job = HostsJob(hosts, tmp, workers=3, spares=1, steps=steps, sleep=0.05, hb=1.0, mode="hotswap")
     job.wait_event("epoch_configured", 60, epoch=0)
