@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -18,12 +19,11 @@ from bindings.ops import ReduceOp
 from bindings.stats import ring_bytes
 
 __all__ = [
-    "FSDPAllGather",
-    "FSDPReduceScatter",
     "GradBucket",
     "TorchCommunicator",
     "TorchReduceOp",
     "as_torch_communicator",
+    "fsdp_protocols",
     "standalone_process_group",
     "translate_torch_error",
 ]
@@ -34,16 +34,22 @@ TorchReduceOp = tdist.ReduceOp
 #: DDP's gradient bucket, as its comm hooks receive it (DDP checks a hook's annotation against it).
 GradBucket = tdist.GradBucket
 
-# FSDP2's custom-collective protocols (``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter``,
-# torch >= 2.8, a private module): ``None`` where this torch lacks them.
-try:
-    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as FSDPAllGather
-    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as FSDPReduceScatter
-except ImportError:  # pragma: no cover - older torch
-    FSDPAllGather = None  # type: ignore[assignment,misc]
-    FSDPReduceScatter = None  # type: ignore[assignment,misc]
-
 logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def fsdp_protocols() -> tuple[type, type] | None:
+    """FSDP2's custom-collective protocols ``(AllGather, ReduceScatter)`` (``FSDPModule.set_custom_all_gather`` /
+    ``set_custom_reduce_scatter``, torch >= 2.8, a private module); ``None`` where this torch lacks them.
+
+    Imported on first use: the module pulls in ``torch.distributed.tensor``,
+    which costs a process about a second at start.
+    """
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+    except ImportError:  # pragma: no cover - older torch
+        return None
+    return AllGather, ReduceScatter
 
 
 def _import_world_default_modules() -> None:

@@ -30,18 +30,16 @@ from typing import Any
 import torch
 
 from bindings import Communicator
-from bindings.torch_backend import FSDPAllGather, FSDPReduceScatter
+from bindings.torch_backend import fsdp_protocols
 from sparsecomm.groups import Group, get_communicator
 
 __all__ = ["AllGather", "ReduceScatter", "use_sparsecomm"]
 
 logger = logging.getLogger(__name__)
 
-if FSDPAllGather is None or FSDPReduceScatter is None:  # pragma: no cover - older torch
-    _AllGatherBase: Any = object
-    _ReduceScatterBase: Any = object
-else:
-    _AllGatherBase, _ReduceScatterBase = FSDPAllGather, FSDPReduceScatter
+_PROTOCOLS = fsdp_protocols()
+_AllGatherBase: Any = _PROTOCOLS[0] if _PROTOCOLS else object  # pragma: no branch - older torch: object
+_ReduceScatterBase: Any = _PROTOCOLS[1] if _PROTOCOLS else object
 
 
 def _check_group(comm: Communicator, group: Any, what: str) -> None:
@@ -112,7 +110,7 @@ def use_sparsecomm(model: torch.nn.Module, group: Group | None = None) -> int:
         ValueError: No module under ``model`` is an FSDP2 module, or one has
             several parameter groups (FSDP2 refuses custom collectives there).
     """
-    if FSDPAllGather is None or FSDPReduceScatter is None:
+    if _PROTOCOLS is None:
         raise RuntimeError(
             f"sparsecomm.fsdp: torch {torch.__version__} has no FSDP2 custom collectives "
             "(FSDPModule.set_custom_all_gather, torch >= 2.8)"
