@@ -15,6 +15,10 @@ EXTRAS ?= mpi,dev,trainers,bench,etcd
 comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 PYTEST_ARGS ?=
+# `make test` runs the test files on this many pytest-xdist workers, each file on one worker, the longest files
+# first (tests/conftest.py); most of a multi-rank test is waiting on heartbeats, deadlines and process starts.
+# TEST_JOBS=0 runs them one after another in this process.
+TEST_JOBS ?= 3
 
 .PHONY: train test test-fast setup bench gpu-check lint clean
 
@@ -24,7 +28,7 @@ train: $(STAMP)
 test: $(STAMP)
 	sh tests/install_debian.sh tests/slurm slurmd slurmctld slurmd slurm-client munge
 	sh tests/install_debian.sh tests/resilient/test_etcd.py etcd etcd-server
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(if $(filter-out 0,$(TEST_JOBS)),-n $(TEST_JOBS) --dist loadfile) $(PYTEST_ARGS)
 
 # The inner loop: everything that starts no rank processes and no mpirun (unit tests), in under a minute.
 test-fast: $(STAMP)
