@@ -15,9 +15,9 @@ EXTRAS ?= mpi,dev,trainers,bench,etcd
 comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 PYTEST_ARGS ?=
-# `make test` runs the test files on this many pytest-xdist workers, each file on one worker, the longest files
-# first (tests/conftest.py); most of a multi-rank test is waiting on heartbeats, deadlines and process starts.
-# TEST_JOBS=0 runs them one after another in this process.
+# `make test` runs the test files on this many pytest-xdist workers, each file on one worker: most of a
+# multi-rank test is waiting on heartbeats, deadlines and process starts. TEST_JOBS=0 runs them one after
+# another in this process.
 TEST_JOBS ?= 3
 
 .PHONY: train test test-fast setup bench gpu-check lint clean
