@@ -19,6 +19,7 @@ offers the same calls on this machine's loopback, without cuts.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -33,7 +34,17 @@ from optim.benchmarks.drill import command as drill_command
 from optim.paths import pythonpath_env
 from resilient_comm.events import read_event_dir, read_events
 
-__all__ = ["DEFAULT_PORT", "HostProcess", "Hosts", "HostsJob", "Loopback", "kill_all", "unavailable", "wait_for"]
+__all__ = [
+    "DEFAULT_PORT",
+    "HostProcess",
+    "Hosts",
+    "HostsJob",
+    "Loopback",
+    "kill_all",
+    "parse_rate",
+    "unavailable",
+    "wait_for",
+]
 
 #: The coordinator's port in :class:`HostsJob` (each namespace has its own ports).
 DEFAULT_PORT = 29400
@@ -121,16 +132,43 @@ class _Hosts(Protocol):
     def interface(self, i: int) -> str: ...
 
 
+_RATE = re.compile(r"^(\d+(?:\.\d+)?)(kbit|mbit|gbit)$")
+_RATE_UNITS = {"kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
+
+
+def parse_rate(text: str | None) -> int | None:
+    """A link rate as ``tc`` spells it (``"100mbit"``, ``"1gbit"``, ``"2.5gbit"``) in bit/s; ``"none"``/``None``:
+    ``None`` (unshaped).
+
+    Raises:
+        ValueError: Not a rate, or below 1 Mbit/s or above 100 Gbit/s.
+    """
+    if text is None or text == "none":
+        return None
+    m = _RATE.match(text) if isinstance(text, str) else None
+    if m is None:
+        raise ValueError(f"link rate: expected e.g. 100mbit, 1gbit, 10gbit or none, got {text!r}")
+    rate = int(float(m.group(1)) * _RATE_UNITS[m.group(2)])
+    if not 10**6 <= rate <= 10**11:
+        raise ValueError(f"link rate: expected 1mbit..100gbit, got {text!r}")
+    return rate
+
+
 class Hosts:
     """``n`` hosts on one bridge: host ``i`` is namespace :meth:`ns` with address :meth:`address`.
 
     Args:
         n: Number of hosts (at most 250).
+        link_rate: Each host's link rate, both directions (``"100mbit"``, ``"1gbit"``, ...; ``None`` or
+            ``"none"``: unshaped): a token bucket (``tc`` ``tbf``, 10 ms of burst) on the host's end of its
+            link and on the bridge's. What it delivers is measured by :func:`optim.benchmarks.links.measure_link`.
     """
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, link_rate: str | None = None) -> None:
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 250:
             raise ValueError(f"n: expected 1..250 hosts, got {n!r}")
+        self.link_rate = parse_rate(link_rate)
+        """The rate set on every link in bit/s (``None``: unshaped)."""
         tag = os.getpid() % 100_000
         self._tag = tag
         self._subnet = f"10.{200 + tag % 50}.{tag % 250}"
@@ -175,6 +213,19 @@ class Hosts:
         _ip("-n", ns, "link", "set", "lo", "up")
         _ip("link", "set", outer, "master", self._bridge)
         _ip("link", "set", outer, "up")
+        if self.link_rate is not None:
+            self._shape(i)
+
+    def _shape(self, i: int) -> None:
+        """A token bucket at :attr:`link_rate` on both ends of host ``i``'s link (each shapes what it sends)."""
+        rate = self.link_rate
+        assert rate is not None
+        burst = max(128 * 1024, rate // 8 // 100)  # 10 ms at the rate, and at least two 64 KiB GSO segments
+        tbf = ["root", "tbf", "rate", f"{rate}bit", "burst", str(burst), "latency", "50ms"]
+        for prefix, dev in (([], self._outer(i)), (["-n", self.ns(i)], self.interface(i))):
+            made = subprocess.run(["tc", *prefix, "qdisc", "add", "dev", dev, *tbf], capture_output=True, text=True)
+            if made.returncode != 0:
+                raise RuntimeError(f"tc qdisc add dev {dev} {' '.join(tbf)}: {made.stderr.strip()}")
 
     def run(
         self, i: int, argv: Sequence[str], env: Mapping[str, str] | None = None, output: str | None = None, **kw: Any

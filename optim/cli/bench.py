@@ -20,6 +20,7 @@ from optim.benchmarks.sparse_ops import bench_pack
 from optim.benchmarks.suite import HORIZONS, SETTINGS
 from optim.cli.bench_checkpoint import add_checkpoint_parser
 from optim.cli.bench_hooks import add_hooks_parser
+from optim.cli.bench_link import add_link_parser
 from optim.cli.bench_recovery import add_recovery_parser
 from optim.cli.options import add_model_options, add_scape_options, densities_arg, model_settings, scape_settings
 from optim.train_job.config import TrainConfig
@@ -559,3 +560,4 @@ def add_bench_parser(subparsers: Any) -> None:
     add_recovery_parser(inner)
     add_checkpoint_parser(inner)
     add_hooks_parser(inner)
+    add_link_parser(inner)
