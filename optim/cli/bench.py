@@ -22,6 +22,7 @@ from optim.cli.bench_checkpoint import add_checkpoint_parser
 from optim.cli.bench_hooks import add_hooks_parser
 from optim.cli.bench_link import add_link_parser
 from optim.cli.bench_recovery import add_recovery_parser
+from optim.cli.bench_wallclock import add_wallclock_parser
 from optim.cli.options import add_model_options, add_scape_options, densities_arg, model_settings, scape_settings
 from optim.train_job.config import TrainConfig
 
@@ -561,3 +562,4 @@ def add_bench_parser(subparsers: Any) -> None:
     add_checkpoint_parser(inner)
     add_hooks_parser(inner)
     add_link_parser(inner)
+    add_wallclock_parser(inner)
