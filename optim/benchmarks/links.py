@@ -75,9 +75,11 @@ def _send(host: str, port: int, nbytes: int) -> dict[str, Any]:
 
 
 def _allreduce(nbytes: int, iters: int) -> dict[str, Any]:
-    """One rank of a dense gloo all_reduce (torchrun environment): seconds per all_reduce of ``nbytes``."""
+    """One rank of a dense gloo all_reduce through the drop-in API (torchrun environment): seconds per all_reduce
+    of ``nbytes``."""
     import torch
-    import torch.distributed as dist
+
+    import sparsecomm.distributed as dist
 
     dist.init_process_group("gloo")
     try:
