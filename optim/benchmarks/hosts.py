@@ -87,10 +87,12 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
 
 
-def unavailable() -> str | None:
-    """Why namespaces cannot be made here (``None``: they can)."""
+def unavailable(shaped: bool = False) -> str | None:
+    """Why namespaces (with ``shaped``: and links with a rate) cannot be made here (``None``: they can)."""
     if shutil.which("ip") is None:
         return "the ip command (iproute2) is missing"
+    if shaped and shutil.which("tc") is None:
+        return "the tc command (iproute2) is missing: links cannot be shaped"
     if os.geteuid() != 0:
         return "network namespaces need root"
     probe = f"scprobe{os.getpid()}"

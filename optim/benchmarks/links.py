@@ -196,7 +196,7 @@ def run_link_bench(
     Raises:
         RuntimeError: Network namespaces cannot be made here (not root, no ``ip``), or a probe failed.
     """
-    why = unavailable()
+    why = unavailable(shaped=True)
     if why is not None:
         raise RuntimeError(f"shaped links need network namespaces: {why}")
     rows = []

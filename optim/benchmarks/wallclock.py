@@ -173,7 +173,7 @@ def run_wallclock_bench(
     Raises:
         RuntimeError: Network namespaces cannot be made here, or a cell failed (the cells before it are kept).
     """
-    why = unavailable()
+    why = unavailable(shaped=True)
     if why is not None:
         raise RuntimeError(f"shaped links need network namespaces: {why}")
     out_dir.mkdir(parents=True, exist_ok=True)

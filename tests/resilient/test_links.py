@@ -12,7 +12,7 @@ from optim.benchmarks.hosts import Hosts, parse_rate, unavailable
 from optim.benchmarks.links import LinkBenchConfig, measure_link, tcp_bytes_for
 from optim.cli.main import main as cli_main
 
-WHY = unavailable()
+WHY = unavailable(shaped=True)
 needs_hosts = pytest.mark.skipif(WHY is not None, reason=str(WHY))
 
 

@@ -13,7 +13,7 @@ from optim.benchmarks.hosts import unavailable
 from optim.benchmarks.wallclock import WallclockConfig, cell_name, summarize
 from optim.cli.main import main as cli_main
 
-WHY = unavailable()
+WHY = unavailable(shaped=True)
 
 
 def test_bad_sweeps_raise_before_anything_runs() -> None:
