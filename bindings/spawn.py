@@ -64,8 +64,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-#: What the fork server imports once for every rank it starts (more with ``preload``).
-DEFAULT_PRELOAD = ("torch", "torch.distributed", "numpy")
+#: What the fork server imports once for every rank it starts (more with ``preload``). ``torch._dynamo``:
+#: building any ``torch.optim`` optimizer imports torch's compiler stack on first use, about 1 s of CPU in
+#: every rank that would otherwise pay it.
+DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "numpy")
 
 
 def _context(preload: Sequence[str]) -> Any:
