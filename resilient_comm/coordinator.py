@@ -114,6 +114,7 @@ class Coordinator:
             self._view: View | None = None
         self._hb = Heartbeats(self.config.heartbeat_timeout.total_seconds())
         self._dead, self._left = set[int](), set[int]()  # members dead / gone cleanly
+        self._silenced = set[int]()  # dead for silence alone before the job started: revived if they beat again
         self._left_count = 0  # the members' leave counter when it was last read
         self._registrations: Inbox | None = None
         self._suspicions: Inbox | None = None
@@ -436,6 +437,8 @@ class Coordinator:
                 self._hb.touch(i, now)
         self._read_leaves()
         live = [i for i in self._members if i not in self._dead and i not in self._left]
+        if self._silenced and self.view is None:
+            self._revive(now)
         if live:
             counts = store.multi_get([keys.heartbeat(i) for i in live])
             silent: dict[int, float] = {}
@@ -456,6 +459,8 @@ class Coordinator:
                 silent = {}
             for i, silent_s in silent.items():
                 self._mark_dead(i, "heartbeat", silent_s=round(silent_s, 3))
+                if self.view is None:
+                    self._silenced.add(i)
         while True:
             try:
                 pid, code = self._exits.get_nowait()
@@ -533,10 +538,33 @@ class Coordinator:
         for i in match:
             slot = view.slot_of(i) if view is not None else None
             self.log.emit("member_exited", epoch=view.epoch if view else None, slot=slot, pid=pid, returncode=code)
+            self._silenced.discard(i)  # gone for good
             if code == 0 and self._left_status(i):
                 self._member_left(i)
             else:
                 self._mark_dead(i, "exit", returncode=code)
+
+    def _revive(self, now: float) -> None:
+        """Count again the members found silent before the job started whose heartbeat moved since.
+
+        Nothing was decided without them yet (no epoch exists), so a process that
+        was only slow to start (a busy machine) joins the first epoch after all
+        instead of leaving the job short of members until ``start_timeout``.
+        """
+        store = self._store
+        assert store is not None
+        quiet = sorted(self._silenced - self._left)
+        for i, raw in zip(quiet, store.multi_get([keys.heartbeat(i) for i in quiet]), strict=True):
+            if self._hb.observe(i, raw, now) is not None:
+                continue  # still silent
+            info = self._members[i]
+            with self._lock:
+                self._dead.discard(i)
+                self._silenced.discard(i)
+                if info.role == "spare":
+                    self._spares.append(i)
+            logger.info("coordinator: member %d (pid %d) beats again; counted before the job starts", i, info.pid)
+            self.log.emit("member_revived", slot=info.slot if info.slot >= 0 else None, pid=info.pid, member=i)
 
     def _left_status(self, i: int) -> bool | None:
         """Whether member ``i`` left cleanly (``True``), after an error (``False``), or not at all (``None``)."""

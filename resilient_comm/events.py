@@ -49,6 +49,7 @@ EVENTS = (
     "member_refused",
     "failure_suspected",
     "failure_detected",
+    "member_revived",
     "stall_suspected",
     "straggler_detected",
     "epoch_proposed",

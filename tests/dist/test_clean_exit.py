@@ -13,6 +13,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import sys
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -20,7 +21,6 @@ import pytest
 import torch
 
 from bindings.spawn import _child, free_port
-from tests.dist.harness import run_ranks
 from tests.dist.torchrun import run_torchrun
 from tests.dist.workers import clean_exit
 
@@ -72,29 +72,31 @@ def _hold_everything_then_destroy(rank: int, world_size: int) -> dict[str, Any]:
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc thread names")
 @pytest.mark.timeout(120)
 def test_destroy_ends_the_gloo_worker_threads_whatever_the_script_holds() -> None:
-    """Held: the default group, a subgroup, the communicator, a work handle, a torch optimizer made after init."""
-    for r in run_ranks(_hold_everything_then_destroy, 2, init=False, timeout=90):
+    """Held: the default group, a subgroup, the communicator, a work handle, a torch optimizer made after init.
+
+    Spawned, not forked from the fork server: that one has imported torch._dynamo already."""
+    codes, reports = _spawned(_hold_everything_then_destroy, ())
+    assert codes == [0, 0] and len(reports) == 2, (codes, reports)
+    for _, status, r in reports:
+        assert status == "ok", r
         assert not r["dynamo_before_init"]  # the optimizer's torch._dynamo import came after init_process_group
         assert r["sum"] == [4.0] * 4
         assert r["during"].count("pt_gloo_runloop") >= 4, r["during"]  # two groups, two workers each
         assert "pt_gloo_runloop" not in r["after"], r["after"]
 
 
-def _spawned_job(optimizer: bool) -> tuple[list[int | None], str]:
-    """One job of ``clean_exit.run`` on 2 processes spawned as :func:`bindings.spawn.run_local` spawns them
-    where there is no fork server (a fresh interpreter per rank, which tears itself down at the end).
+def _spawned(fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[list[int | None], list[tuple[int, str, Any]]]:
+    """``fn(rank, 2, *args)`` on 2 processes spawned as :func:`bindings.spawn.run_local` spawns them where there
+    is no fork server (a fresh interpreter per rank, which tears itself down at the end).
 
     Unlike ``run_local`` (which kills ranks still running once all reported),
-    the processes end on their own and their exit codes are returned.
+    the processes end on their own: their exit codes and ``(rank, status, value)`` reports are returned.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    args = (30, optimizer)
     procs = [
-        ctx.Process(
-            target=_child, args=(clean_exit.run, r, 2, env, os.getcwd(), args, results), name=f"rank{r}", daemon=True
-        )
+        ctx.Process(target=_child, args=(fn, r, 2, env, os.getcwd(), args, results), name=f"rank{r}", daemon=True)
         for r in range(2)
     ]
     for p in procs:
@@ -111,8 +113,13 @@ def _spawned_job(optimizer: bool) -> tuple[list[int | None], str]:
                 p.kill()
                 p.join(timeout=10)
         results.close()
-    errors = "\n".join(str(value) for _, status, value in reports if status != "ok")
-    return [p.exitcode for p in procs], errors
+    return [p.exitcode for p in procs], reports
+
+
+def _spawned_job(optimizer: bool) -> tuple[list[int | None], str]:
+    """One job of ``clean_exit.run`` on 2 spawned processes: exit codes, and the errors reported."""
+    codes, reports = _spawned(clean_exit.run, (30, optimizer))
+    return codes, "\n".join(str(value) for _, status, value in reports if status != "ok")
 
 
 def _torchrun_job(optimizer: bool) -> tuple[int, str]:

@@ -112,3 +112,36 @@ def test_a_failed_job_ends_the_spare_and_the_coordinator_with_an_error(tmp_path:
     events = read_events(tmp_path / "events.jsonl")
     kinds = [e["event"] for e in events]
     assert "job_failed" in kinds and "job_completed" not in kinds, kinds
+
+
+@pytest.mark.timeout(150)
+def test_a_worker_stalled_before_the_job_starts_is_counted_again_when_it_beats(tmp_path: Path) -> None:
+    """A registered worker SIGSTOPped past the heartbeat timeout before the job starts is declared dead; once it
+    runs again it is counted again, so the job starts when the second worker registers and ends cleanly (without
+    that, the coordinator waits ``start_timeout`` for a member it will never count and fails the job)."""
+    coord, fields = _coordinator(tmp_path, 2)
+    path = tmp_path / "events.jsonl"
+
+    def events(kind: str) -> list[dict[str, object]]:
+        return [e for e in read_events(path, missing_ok=True) if e["event"] == kind]
+
+    first = _start(tmp_path, fields, "active", 0, "w0.json", 10)
+    procs = [first]
+    try:
+        wait_until(lambda: events("member_started"), 60, "the first worker to register")
+        os.kill(first.pid, signal.SIGSTOP)
+        try:
+            wait_until(lambda: events("failure_detected"), 30, "the stalled worker to be declared dead")
+        finally:
+            os.kill(first.pid, signal.SIGCONT)
+        (revived,) = wait_until(lambda: events("member_revived"), 30, "the worker to be counted again")
+        assert revived["pid"] == first.pid and not events("epoch_proposed")
+        procs.append(_start(tmp_path, fields, "active", 1, "w1.json", 10))
+        for w in procs:
+            assert w.wait(timeout=120) == 0, (tmp_path / f"w{procs.index(w)}.json.log").read_text()[-2000:]
+        assert coord.wait(timeout=30) == 0, coord.stdout.read() if coord.stdout else ""
+    finally:
+        kill_all([*procs, coord])  # type: ignore[list-item]
+    (completed,) = events("job_completed")
+    assert completed["epoch"] == 0 and completed["committed_step"] == 10, completed
+    assert not events("job_failed")
