@@ -14,9 +14,7 @@ Every variant gets the same number of dense first iterations
 (``start_iter``). Per variant: the final training loss (mean of the last 10
 steps over ranks), the validation loss (held-out tail of the corpus), the
 bytes one rank sent per step, and the median step time (max over ranks).
-torch's hooks call ``torch.distributed`` directly, so their bytes are counted
-by wrapping ``all_reduce`` / ``all_gather`` for the run with the same analytic
-ring formula (:func:`bindings.stats.ring_bytes`) that counts sparsecomm's own.
+The hooks and their byte counting are :mod:`optim.train_job.ddp`'s.
 Nothing here prints (``optim.cli.bench`` does).
 """
 
@@ -25,22 +23,20 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as tdist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
 import sparsecomm.distributed as dist
 from bindings.spawn import run_local
 from bindings.stats import CommStats, ring_bytes
 from optim.train_job.data import load_corpus, sample_batch
+from optim.train_job.ddp import close_hook, count_torch_collectives, register_hook
 from optim.train_job.model import GPT, GPTConfig
-from sparsecomm.hooks import SparseHookState, sparse_allreduce_hook
+from sparsecomm.hooks import SparseHookState
 
 __all__ = ["HookBenchConfig", "hook_variants", "run_hook_bench"]
 
@@ -103,49 +99,14 @@ def hook_variants(config: HookBenchConfig) -> list[str]:
     return ["ddp", *[f"powersgd-r{r}" for r in config.powersgd_ranks], *[f"sparse@{d:g}" for d in config.densities]]
 
 
-@contextlib.contextmanager
-def _count_torch_collectives(stats: CommStats, world_size: int) -> Iterator[None]:
-    """Count the bytes of ``torch.distributed.all_reduce`` / ``all_gather`` calls inside the block."""
-    all_reduce, all_gather = tdist.all_reduce, tdist.all_gather
-
-    def counted_all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        stats.record("all_reduce", *ring_bytes("all_reduce", tensor.numel() * tensor.element_size(), world_size))
-        return all_reduce(tensor, *args, **kwargs)
-
-    def counted_all_gather(out: list[torch.Tensor], tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        stats.record("all_gather", *ring_bytes("all_gather", tensor.numel() * tensor.element_size(), world_size))
-        return all_gather(out, tensor, *args, **kwargs)
-
-    tdist.all_reduce, tdist.all_gather = counted_all_reduce, counted_all_gather  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        tdist.all_reduce, tdist.all_gather = all_reduce, all_gather  # type: ignore[assignment]
-
-
 def _register(config: HookBenchConfig, ddp: DistributedDataParallel, name: str) -> tuple[Any, CommStats]:
-    """Register the variant's hook; return its state and the stats that count its bytes.
-
-    sparsecomm's hook counts its own bytes (its group's stats); torch's hooks get
-    a fresh :class:`CommStats` that :func:`_count_torch_collectives` fills.
-    """
+    """Register the variant's hook (:func:`optim.train_job.ddp.register_hook`); its state and byte counter."""
     if name.startswith("sparse@"):
-        state = SparseHookState(density=float(name.removeprefix("sparse@")), start_iter=config.start_iter)
-        ddp.register_comm_hook(state, sparse_allreduce_hook)
-        return state, state.stats
+        return register_hook(ddp, "sparse", density=float(name.removeprefix("sparse@")), start_iter=config.start_iter)
     if name.startswith("powersgd-r"):
-        psgd = powerSGD_hook.PowerSGDState(
-            process_group=None,
-            matrix_approximation_rank=int(name.removeprefix("powersgd-r")),
-            start_powerSGD_iter=max(2, config.start_iter),  # PowerSGD needs DDP's rebuilt buckets
-            use_error_feedback=True,
-            warm_start=True,
-            random_seed=config.seed,
-        )
-        ddp.register_comm_hook(psgd, powerSGD_hook.powerSGD_hook)
-        return psgd, CommStats()
-    ddp.register_comm_hook(None, default_hooks.allreduce_hook)
-    return None, CommStats()
+        rank = int(name.removeprefix("powersgd-r"))
+        return register_hook(ddp, "powersgd", powersgd_rank=rank, start_iter=config.start_iter, seed=config.seed)
+    return register_hook(ddp, "allreduce")
 
 
 def _run_variant(config: HookBenchConfig, rank: int, ws: int, name: str, corpus: Any) -> dict[str, Any]:
@@ -157,7 +118,7 @@ def _run_variant(config: HookBenchConfig, rank: int, ws: int, name: str, corpus:
     losses: list[float] = []
     step_s: list[float] = []
     before: dict[str, dict[str, int]] = {}
-    counting = contextlib.nullcontext() if isinstance(state, SparseHookState) else _count_torch_collectives(stats, ws)
+    counting = contextlib.nullcontext() if isinstance(state, SparseHookState) else count_torch_collectives(stats, ws)
     with counting:
         for step in range(config.steps):
             if step == config.start_iter:
@@ -178,8 +139,7 @@ def _run_variant(config: HookBenchConfig, rank: int, ws: int, name: str, corpus:
     per_op = {
         op: (v["bytes_sent"] - before.get(op, {}).get("bytes_sent", 0)) / max(1, compressed) for op, v in after.items()
     }
-    if isinstance(state, SparseHookState):
-        state.close()
+    close_hook(state)
     model.eval()
     val = 0.0
     with torch.no_grad():

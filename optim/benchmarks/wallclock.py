@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import statistics
 import sys
@@ -39,8 +40,19 @@ from optim.paths import pythonpath_env
 __all__ = ["METHODS", "WallclockConfig", "cell_name", "run_cell", "run_wallclock_bench", "summarize", "main"]
 
 #: Methods: a train-job optimizer, and ``@density`` for the sparse ones. ``adams`` (dense sharded AdamS) is the
-#: reference every ratio is to; ``allreduce-adamw`` is what DDP + AdamW does (a bucketed gradient all-reduce).
-METHODS = ("adams", "allreduce-adamw", "local-adams@0.1", "local-adams@0.01", "scape@0.1", "scape@0.01")
+#: reference every ratio is to; ``allreduce-adamw`` is what DDP + AdamW does (a bucketed gradient all-reduce),
+#: ``ddp-powersgd-adamw`` DDP with PowerSGD (rank 4), ``ddp-sparse-adamw`` DDP with sparsecomm's sparse hook.
+METHODS = (
+    "adams",
+    "allreduce-adamw",
+    "ddp-powersgd-adamw",
+    "ddp-sparse-adamw@0.1",
+    "ddp-sparse-adamw@0.01",
+    "local-adams@0.1",
+    "local-adams@0.01",
+    "scape@0.1",
+    "scape@0.01",
+)
 REFERENCE = "adams"
 _PORT = 29700
 
@@ -238,7 +250,10 @@ def summarize(out_dir: Path) -> dict[str, Any]:
                 "method": method,
                 "seed": seed,
                 "step_s": statistics.median(r["step_time_s"] for r in steps),
-                "wait_s": statistics.median(r["comm_time_s"] for r in steps),
+                # DDP's hooks communicate inside the backward pass: no wait of their own to time
+                "wait_s": None
+                if any(r["comm_time_s"] is None for r in steps)
+                else statistics.median(r["comm_time_s"] for r in steps),
                 "bytes_per_step": statistics.median(r["bytes_sent"] for r in steps),
                 "final_val_loss": curve[-1][2],
                 "train_s": curve[-1][1],
@@ -258,7 +273,28 @@ def summarize(out_dir: Path) -> dict[str, Any]:
         t = row["time_to_target_s"]
         row["speedup_vs_dense"] = None if ref_t is None or t is None else ref_t / t
         row["step_speedup_vs_dense"] = None if ref_row is None else ref_row["step_s"] / row["step_s"]
-    return {"bench": "wallclock", "config": config, "links": links, "rows": rows, "cpus": os.cpu_count()}
+    bench = {"bench": "wallclock", "config": config, "links": links, "rows": rows, "cpus": os.cpu_count()}
+    return {**bench, "wins": wins_by_rate(rows)}
+
+
+def _bits(rate: str) -> float:
+    bits = parse_rate(rate)
+    return math.inf if bits is None else float(bits)
+
+
+def wins_by_rate(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per method: the link rates it was measured at (slowest first), the median speed-up to dense AdamS's time
+    to the target at each (over seeds; ``None`` where either never reached it), and ``wins_up_to``: the fastest
+    of those rates at which it reached the target sooner than dense AdamS (``None``: at none of them)."""
+    out: dict[str, dict[str, Any]] = {}
+    for method in sorted({r["method"] for r in rows}):
+        speedups: dict[str, float | None] = {}
+        for rate in sorted({r["link_rate"] for r in rows if r["method"] == method}, key=_bits):
+            got = [r["speedup_vs_dense"] for r in rows if (r["method"], r["link_rate"]) == (method, rate)]
+            speedups[rate] = None if None in got else statistics.median(got)
+        won = [rate for rate, x in speedups.items() if x is not None and x > 1.0]
+        out[method] = {"speedup_by_rate": speedups, "wins_up_to": max(won, key=_bits) if won else None}
+    return out
 
 
 def _rank(settings_json: str, out: str) -> int:

@@ -42,7 +42,7 @@ def format_wallclock_table(bench: dict[str, Any]) -> str:
             r["method"],
             str(r["seed"]),
             f"{r['step_s'] * 1e3:.0f}",
-            f"{r['wait_s'] * 1e3:.0f}",
+            _f(None if r["wait_s"] is None else r["wait_s"] * 1e3, ".0f"),
             f"{r['bytes_per_step'] / 1e6:.3f}",
             f"{r['final_val_loss']:.4f}",
             _f(r["time_to_target_s"], ".1f"),
@@ -50,6 +50,10 @@ def format_wallclock_table(bench: dict[str, Any]) -> str:
             _f(r["step_speedup_vs_dense"], ".2f"),
         ]
         lines.append("  ".join(f"{c:>16}" for c in cells))
+    lines.append("# wins from which link rate: the fastest link at which a method reached the target sooner than dense")
+    for method, win in bench.get("wins", {}).items():
+        ratios = ", ".join(f"{rate} {_f(x, '.2f')}x" for rate, x in win["speedup_by_rate"].items())
+        lines.append(f"#   {method}: {win['wins_up_to'] or 'at none measured'} ({ratios})")
     return "\n".join(lines)
 
 

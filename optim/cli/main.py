@@ -228,7 +228,8 @@ def _add_train_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
         default=d.optimizer,
         help="adamw: ShardedAdamW, adams: ShardedAdamS, scape: SCAPE (sparse), local-adams: LocalAdamS (local "
         "steps, parameters averaged a window at a time), topk-adams: TopKAdamS (top-k + error feedback), "
-        "allreduce-adamw: bucket all-reduce + torch AdamW",
+        "allreduce-adamw: bucket all-reduce + torch AdamW, ddp-powersgd-adamw / ddp-sparse-adamw: torch DDP with "
+        "the PowerSGD hook (--powersgd-rank) or sparsecomm's sparse hook (--density) + torch AdamW",
     )
     p.add_argument(
         "--density", type=float, default=d.density, help="sparse optimizers: fraction of the dense bytes per step"

@@ -59,7 +59,10 @@ def add_scape_options(p: argparse.ArgumentParser, d: TrainConfig) -> None:
         "--warmup-steps",
         type=int,
         default=d.sparse_warmup_steps,
-        help="SCAPE, LocalAdamS, TopKAdamS: dense steps first",
+        help="SCAPE, LocalAdamS, TopKAdamS, the DDP hooks: dense steps first",
+    )
+    p.add_argument(
+        "--powersgd-rank", type=int, default=d.powersgd_rank, help="ddp-powersgd-adamw: PowerSGD's approximation rank"
     )
     p.add_argument(
         "--local-schedule", choices=LOCAL_SCHEDULES, default=d.local_schedule, help="LocalAdamS: how to average"
@@ -128,6 +131,7 @@ def scape_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The :class:`TrainConfig` fields set by :func:`add_scape_options`."""
     return {
         "sparse_warmup_steps": args.warmup_steps,
+        "powersgd_rank": args.powersgd_rank,
         "local_schedule": args.local_schedule,
         "local_wire": args.local_wire,
         "local_normalizer": args.local_normalizer,

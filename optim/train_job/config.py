@@ -16,14 +16,39 @@ from optim.train_job.data import DEFAULT_MAX_BYTES
 from optim.train_job.model import GPTConfig
 from optim.train_job.tasks import TaskSpec
 
-__all__ = ["LOCAL_WIRES", "OPTIMIZERS", "SPARSE_OPTIMIZERS", "TrainConfig", "build_optimizer", "lr_at"]
+__all__ = [
+    "DDP_HOOKS",
+    "LOCAL_WIRES",
+    "OPTIMIZERS",
+    "SPARSE_OPTIMIZERS",
+    "TORCH_ADAMW",
+    "TrainConfig",
+    "build_optimizer",
+    "lr_at",
+]
 
-OPTIMIZERS = ("adamw", "adams", "scape", "local-adams", "topk-adams", "allreduce-adamw")
+OPTIMIZERS = (
+    "adamw",
+    "adams",
+    "scape",
+    "local-adams",
+    "topk-adams",
+    "allreduce-adamw",
+    "ddp-powersgd-adamw",
+    "ddp-sparse-adamw",
+)
 """Choices of ``TrainConfig.optimizer``: ShardedAdamW, ShardedAdamS, SCAPE, LocalAdamS,
-TopKAdamS, and the original bucket all-reduce + :class:`torch.optim.AdamW`."""
+TopKAdamS, and :class:`torch.optim.AdamW` with the gradients synchronized outside it: the original
+bucket all-reduce, or torch's DDP with the PowerSGD hook or sparsecomm's sparse hook."""
 
-SPARSE_OPTIMIZERS = ("scape", "local-adams", "topk-adams")
+SPARSE_OPTIMIZERS = ("scape", "local-adams", "topk-adams", "ddp-sparse-adamw")
 """The choices that take ``density`` and ``sparse_warmup_steps``."""
+
+DDP_HOOKS = {"ddp-powersgd-adamw": "powersgd", "ddp-sparse-adamw": "sparse"}
+"""The choices that run the model under DDP, and their comm hook (:mod:`optim.train_job.ddp`)."""
+
+TORCH_ADAMW = ("allreduce-adamw", *DDP_HOOKS)
+"""The choices whose optimizer is :class:`torch.optim.AdamW` (gradients synchronized before its step)."""
 
 LOCAL_WIRES = ("auto", "float32", "bfloat16", "int8", "int4", "int2", "int1")
 """Choices of ``TrainConfig.local_wire``: LocalAdamS's default (``wire_bits="auto"``), float32 values,
@@ -59,7 +84,8 @@ class TrainConfig:
     eps: float = 1e-8  # Adam / AdamS epsilon.
     density: float = 0.01  # SCAPE, LocalAdamS, TopKAdamS: fraction of the dense bytes per step.
     mask_delay: int = 1  # SCAPE: mask made after step t is used at step t + 1 + mask_delay.
-    sparse_warmup_steps: int = 10  # SCAPE, LocalAdamS, TopKAdamS: dense steps before sparsity starts.
+    sparse_warmup_steps: int = 10  # SCAPE, LocalAdamS, TopKAdamS, the DDP hooks: dense steps before compression.
+    powersgd_rank: int = 4  # ddp-powersgd-adamw: rank of PowerSGD's low-rank approximation.
     local_schedule: str = "staggered"  # LocalAdamS: staggered | periodic averaging.
     local_wire: str = "auto"  # LocalAdamS: one of LOCAL_WIRES (auto codes, float32 values, bfloat16 or intB changes).
     local_normalizer: str = "auto"  # LocalAdamS: auto | debiased | measured | local (see optim.LocalAdamS).
@@ -102,6 +128,10 @@ class TrainConfig:
             raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         if not 0.0 < self.density <= 1.0:
             raise ValueError(f"density must be in (0, 1], got {self.density}")
+        if self.powersgd_rank < 1:
+            raise ValueError(f"powersgd_rank must be >= 1, got {self.powersgd_rank}")
+        if self.optimizer in DDP_HOOKS and self.backend != "gloo":
+            raise ValueError(f"{self.optimizer} runs torch's DDP: it needs the gloo backend, not {self.backend!r}")
         for name in ("mask_delay", "sparse_warmup_steps", "refresh_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -162,8 +192,9 @@ class TrainConfig:
             "eps": self.eps,
             "weight_decay": self.weight_decay,
         }
-        if self.optimizer == "allreduce-adamw":
-            return {"name": self.optimizer, "class": "torch.optim.AdamW", "grad_clip": self.grad_clip, **common}
+        if self.optimizer in TORCH_ADAMW:
+            out = {"name": self.optimizer, "class": "torch.optim.AdamW", "grad_clip": self.grad_clip, **common}
+            return {**out, **self.sparse_kwargs()}
         cls = _CLASSES[self.optimizer]
         out = {"name": self.optimizer, "class": f"optim.{cls.__name__}", **common, "max_grad_norm": self.grad_clip}
         out.update(self.sparse_kwargs())
@@ -185,6 +216,10 @@ class TrainConfig:
             }
         if self.optimizer == "topk-adams":
             return {"density": self.density, "warmup_steps": self.sparse_warmup_steps}
+        if self.optimizer == "ddp-sparse-adamw":
+            return {"hook": "sparse", "density": self.density, "start_iter": self.sparse_warmup_steps}
+        if self.optimizer == "ddp-powersgd-adamw":
+            return {"hook": "powersgd", "powersgd_rank": self.powersgd_rank, "start_iter": self.sparse_warmup_steps}
         return {}
 
     def scape_kwargs(self) -> dict[str, Any]:
@@ -208,7 +243,7 @@ def build_optimizer(config: TrainConfig, model: torch.nn.Module) -> torch.optim.
     Weight decay applies to parameters with ``dim() >= 2`` only, for every choice.
     """
     params = [p for p in model.parameters() if p.requires_grad]
-    if config.optimizer == "allreduce-adamw":
+    if config.optimizer in TORCH_ADAMW:
         decay = [p for p in params if p.dim() >= 2]
         no_decay = [p for p in params if p.dim() < 2]
         return torch.optim.AdamW(

@@ -13,6 +13,12 @@ optimizer (``TrainConfig.optimizer``) decides how gradients are synchronized:
 * ``allreduce-adamw`` (the original job): one flat bucket of every gradient
   plus the loss in the last element is all-reduced with ``ReduceOp.AVG``,
   clipped, then a :class:`torch.optim.AdamW` step.
+* ``ddp-powersgd-adamw`` / ``ddp-sparse-adamw``: the model runs under torch's
+  DDP with PowerSGD's or sparsecomm's sparse comm hook
+  (:mod:`optim.train_job.ddp`), which averages the gradients during the
+  backward pass; then the loss's one-element all-reduce, the clip and a
+  :class:`torch.optim.AdamW` step. Their ``comm_time_s`` is ``None``: the
+  hook's communication runs inside the backward pass.
 
 Every step record carries the wire bytes of that step split by operation
 (deltas of ``CommStats.as_dict()``); evaluation and the start-up check are
@@ -38,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 import sparsecomm.distributed as dist
 from bindings.launch import detect_launch
@@ -46,7 +53,8 @@ from bindings.stats import op_delta
 from optim.local import LocalAdamS
 from optim.scape import SCAPE
 from optim.topk import TopKAdamS
-from optim.train_job.config import TrainConfig, build_optimizer, lr_at
+from optim.train_job.config import DDP_HOOKS, TORCH_ADAMW, TrainConfig, build_optimizer, lr_at
+from optim.train_job.ddp import close_hook, count_torch_collectives, register_hook
 from optim.train_job.tasks import Task, make_task
 
 __all__ = [
@@ -166,9 +174,30 @@ def train_worker(config: TrainConfig, rank: int, world_size: int, on_step: OnSte
     stats = comm.stats
     with stats.scope("init"):
         optimizer = build_optimizer(config, model)
-    sharded = config.optimizer != "allreduce-adamw"
-    bucket = torch.zeros(0 if sharded else numel + 1, dtype=torch.float32)  # grads, then the loss
+    sharded = config.optimizer not in TORCH_ADAMW
+    hook = DDP_HOOKS.get(config.optimizer)
+    bucketed = config.optimizer == "allreduce-adamw"
+    bucket = torch.zeros(numel + 1 if bucketed else 0, dtype=torch.float32)  # grads, then the loss
     loss_buf = torch.zeros(1, dtype=torch.float32)
+    net: torch.nn.Module = model
+    hook_state: Any = None
+    hook_stats = None
+    counting: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
+    if hook is not None:
+        ddp = DistributedDataParallel(model)
+        kw = config.sparse_kwargs()
+        hook_state, hook_stats = register_hook(
+            ddp,
+            hook,
+            density=config.density,
+            powersgd_rank=config.powersgd_rank,
+            start_iter=kw["start_iter"],
+            seed=config.seed,
+        )
+        if hook != "sparse":  # torch's hooks call torch.distributed directly: count them in the backward pass
+            stats_of_hook = hook_stats
+            counting = lambda: count_torch_collectives(stats_of_hook, world_size)  # noqa: E731
+        net = ddp
     records: list[dict[str, Any]] = []
     evals = [{"step": 0, "val_loss": _evaluate(model, optimizer, task, config, rank)}]
     logger.info("rank %d: %d parameters, %s, optimizer %s", rank, numel, about["corpus"]["name"], config.optimizer)
@@ -176,9 +205,12 @@ def train_worker(config: TrainConfig, rank: int, world_size: int, on_step: OnSte
     try:
         for step in range(1, config.steps + 1):
             ops0 = stats.as_dict()
+            hook0 = hook_stats.as_dict() if hook_stats is not None else {}
             t0 = time.perf_counter()
-            loss = train_step(model, optimizer, task, config, step, rank)
+            with counting():
+                loss = train_step(net, optimizer, task, config, step, rank)
             lr = optimizer.param_groups[0]["lr"]
+            comm_time: float | None
             if sharded:
                 loss_buf[0] = loss.detach()
                 with stats.scope("loss"):
@@ -191,9 +223,14 @@ def train_worker(config: TrainConfig, rank: int, world_size: int, on_step: OnSte
                 comm_time = time.perf_counter() - t_comm
                 last = getattr(optimizer, "last_grad_norm", None)
                 grad_norm = None if last is None else float(last)
+            elif hook is not None:
+                (train_loss, grad_norm), comm_time = _hooked_step(config, params, loss_buf, loss, optimizer), None
             else:
                 train_loss, grad_norm, comm_time = _allreduce_step(config, params, bucket, loss, optimizer)
             ops = op_delta(ops0, stats.as_dict())
+            if hook_stats is not None:
+                for op, d in op_delta(hook0, hook_stats.as_dict()).items():
+                    ops[op] = {k: v + ops.get(op, {}).get(k, 0) for k, v in d.items()}
             record = {
                 "step": step,
                 "lr": lr,
@@ -209,6 +246,8 @@ def train_worker(config: TrainConfig, rank: int, world_size: int, on_step: OnSte
                 record["sparse"] = optimizer.last_mask is not None
             elif isinstance(optimizer, (LocalAdamS, TopKAdamS)):
                 record["sparse"] = step > optimizer.warmup_steps
+            elif hook is not None:
+                record["sparse"] = step > config.sparse_kwargs()["start_iter"]
             records.append(record)
             event = dict(record)
             if step == config.steps or (config.eval_interval and step % config.eval_interval == 0):
@@ -221,11 +260,14 @@ def train_worker(config: TrainConfig, rank: int, world_size: int, on_step: OnSte
     finally:
         if isinstance(optimizer, SCAPE):
             optimizer.close()  # finish the mask gathers in flight before the group goes
+        close_hook(hook_state)
     train_time = time.perf_counter() - t_train
     if sharded:
         bucket_bytes = optimizer.bucket.numel * 4  # type: ignore[attr-defined]
-    else:
+    elif bucketed:
         bucket_bytes = bucket.numel() * bucket.element_size()
+    else:
+        bucket_bytes = numel * 4  # the dense fp32 gradient the hook compresses
     return {
         "steps": records,
         "evals": evals,
@@ -266,13 +308,35 @@ def _allreduce_step(
     train_loss = float(bucket[numel].item())
     if not math.isfinite(train_loss):
         raise RuntimeError(f"training loss is {train_loss}")
-    grad_norm = (
-        float(torch.nn.utils.clip_grad_norm_(params, config.grad_clip))
-        if config.grad_clip > 0
-        else float(bucket[:numel].norm())
-    )
+    return train_loss, _clip_and_step(config, params, optimizer), comm_time
+
+
+def _hooked_step(
+    config: TrainConfig,
+    params: list[torch.nn.Parameter],
+    loss_buf: torch.Tensor,
+    loss: torch.Tensor,
+    optimizer: torch.optim.Optimizer,
+) -> tuple[float, float]:
+    """The ``ddp-*`` step after the backward pass (DDP's hook averaged the gradients): average the loss, clip,
+    step; return (loss, norm)."""
+    loss_buf[0] = loss.detach()
+    with dist.get_communicator().stats.scope("loss"):
+        dist.all_reduce(loss_buf, op=dist.ReduceOp.AVG)
+    train_loss = float(loss_buf.item())
+    if not math.isfinite(train_loss):
+        raise RuntimeError(f"training loss is {train_loss}")
+    return train_loss, _clip_and_step(config, params, optimizer)
+
+
+def _clip_and_step(config: TrainConfig, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> float:
+    """Clip the synchronized gradients' global norm (``grad_clip``; 0: only measure it), step; return the norm."""
+    if config.grad_clip > 0:
+        norm = float(torch.nn.utils.clip_grad_norm_(params, config.grad_clip))
+    else:
+        norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None])))
     optimizer.step()
-    return train_loss, grad_norm, comm_time
+    return norm
 
 
 def wire_bytes_summary(steps: list[dict[str, Any]], bucket_bytes: int) -> dict[str, Any]:

@@ -154,6 +154,52 @@ def test_train_job_sharded_optimizers(
     assert png_path.stat().st_size > 5_000
 
 
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(
+    ("optimizer", "extra", "hook_ops"),
+    [
+        ("ddp-powersgd-adamw", {"powersgd_rank": 1}, {"all_reduce"}),
+        ("ddp-sparse-adamw", {"density": 0.1}, {"ddp_hook", "mask_sync"}),
+    ],
+)
+def test_train_job_under_ddp_with_a_comm_hook(
+    optimizer: str, extra: dict[str, Any], hook_ops: set[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch DDP + AdamW with PowerSGD's or our sparse hook: dense steps first, then far fewer bytes, and it learns."""
+    for var in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(var, raising=False)
+    config = TrainConfig(**TINY, optimizer=optimizer, sparse_warmup_steps=5, **extra, out=str(tmp_path / optimizer))
+    result = run_training(config)
+    assert result is not None
+    data = json.loads(write_report(build_report(config, result), config.out)[0].read_text())
+    opt = data["optimizer"]
+    assert opt["class"] == "torch.optim.AdamW" and opt["start_iter"] == 5
+    assert opt["hook"] == optimizer.split("-")[1] and opt["grad_clip"] == 1.0
+    steps = data["steps"]
+    assert [s["sparse"] for s in steps] == [False] * 5 + [True] * 15
+    assert all(s["comm_time_s"] is None and s["grad_norm"] > 0 for s in steps)
+    dense, _ = ring_bytes("all_reduce", 4 * data["model"]["num_parameters"], 2)
+    loss_sent, _ = ring_bytes("all_reduce", 4, 2)
+    assert all(s["bytes_sent_by_op"]["loss"] == loss_sent for s in steps)
+    hook_bytes = [s["bytes_sent"] - loss_sent for s in steps]
+    assert all(b >= 0.99 * dense for b in hook_bytes[:5]), (hook_bytes[:5], dense)  # the dense warm-up
+    assert max(hook_bytes[6:]) < 0.5 * dense, (hook_bytes, dense)
+    assert hook_ops <= set(data["wire_bytes"]["by_op"]), data["wire_bytes"]["by_op"]
+    assert data["wire_bytes"]["bucket_bytes"] == 4 * data["model"]["num_parameters"]
+    losses = [s["train_loss"] for s in steps]
+    assert sum(losses[-5:]) / 5 < sum(losses[:3]) / 3 - 0.5, losses
+    assert data["final"]["val_loss"] < data["final"]["initial_val_loss"] - 0.5, data["evals"]
+
+
+def test_ddp_choices_refuse_bad_settings() -> None:
+    with pytest.raises(ValueError, match="gloo"):
+        TrainConfig(optimizer="ddp-sparse-adamw", backend="mpi")
+    with pytest.raises(ValueError, match="powersgd_rank"):
+        TrainConfig(optimizer="ddp-powersgd-adamw", powersgd_rank=0)
+    args = build_parser().parse_args(["train", "--optimizer", "ddp-powersgd-adamw", "--powersgd-rank", "2"])
+    assert args.powersgd_rank == 2 and args.optimizer == "ddp-powersgd-adamw"
+
+
 def test_cli_optimizer_options() -> None:
     args = build_parser().parse_args(
         ["train", "--optimizer", "scape", "--density", "0.05", "--warmup-steps", "7", "--mask-delay", "2"]

@@ -52,9 +52,9 @@ TRANSPORT_EXCEPTIONS = {
     # The torchft baseline of the recovery benchmark drives torchft's own
     # process groups and stores, as torchft's users do.
     "optim/benchmarks/torchft_baseline.py",
-    # The DDP hook benchmark runs torch's DDP with torch's own hooks (all-reduce, PowerSGD) as
-    # their users do, and counts their bytes around torch.distributed's collectives.
-    "optim/benchmarks/ddp_hooks.py",
+    # The train job's DDP choices (and the DDP hook benchmark) run torch's DDP with torch's own hooks
+    # (all-reduce, PowerSGD) as their users do, and count their bytes around torch.distributed's collectives.
+    "optim/train_job/ddp.py",
 }
 
 
