@@ -16,6 +16,10 @@ def _f(value: float | None, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def _rate(rate: str) -> str:
+    return "unshaped" if rate == "none" else rate
+
+
 def format_wallclock_table(bench: dict[str, Any]) -> str:
     """One row per cell: step time, network wait, bytes, final loss, time to the target and the ratios to dense."""
     cfg = bench["config"]
@@ -52,8 +56,9 @@ def format_wallclock_table(bench: dict[str, Any]) -> str:
         lines.append("  ".join(f"{c:>16}" for c in cells))
     lines.append("# wins from which link rate: the fastest link at which a method reached the target sooner than dense")
     for method, win in bench.get("wins", {}).items():
-        ratios = ", ".join(f"{rate} {_f(x, '.2f')}x" for rate, x in win["speedup_by_rate"].items())
-        lines.append(f"#   {method}: {win['wins_up_to'] or 'at none measured'} ({ratios})")
+        ratios = ", ".join(f"{_rate(rate)} {_f(x, '.2f')}x" for rate, x in win["speedup_by_rate"].items())
+        fastest = win["wins_up_to"]
+        lines.append(f"#   {method}: {'at no rate measured' if fastest is None else _rate(fastest)} ({ratios})")
     return "\n".join(lines)
 
 
