@@ -79,7 +79,7 @@ def write_wallclock_plots(bench: dict[str, Any], path: str | Path) -> Path:
                 ax.axhline(r["target_loss"], color="grey", lw=0.8, ls="--")
         link = bench["links"].get(rate)
         measured = f" ({link['tcp_gbps']:.2f} Gbit/s measured)" if link else ""
-        ax.set_title(f"link {rate}{measured}", fontsize=10)
+        ax.set_title(f"link {_rate(rate)}{measured}", fontsize=10)
         ax.set_xlabel("training time (s)")
         ax.set_ylabel("validation loss")
         ax.grid(alpha=0.3)
