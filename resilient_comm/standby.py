@@ -46,6 +46,12 @@ FOLLOW_S = 0.25
 #: etcd's shortest lease at its default election timeout (a shorter TTL is raised to it).
 MIN_TTL_S = 2
 
+#: How often a standby looks for the leader key (seconds, or the coordinator's poll interval if longer). A
+#: standby can take over only once the active coordinator's lease (at least MIN_TTL_S) has lapsed, so this
+#: adds at most a twentieth of that to a takeover, where polling every 10 ms kept a core a quarter busy and
+#: sent etcd 100 requests a second per standby.
+STANDBY_POLL_S = 0.1
+
 
 class LeaseStore(Protocol):
     """What a store must offer for replaceable coordinators (:class:`~bindings.etcd_store.EtcdStore` does).
@@ -97,7 +103,7 @@ class Leadership:
         ``follow`` is called at every poll while another coordinator is active
         (at most every :data:`FOLLOW_S`), so that a standby knows the job.
         """
-        store, wait = self.store, poll.total_seconds()
+        store, wait = self.store, max(poll.total_seconds(), STANDBY_POLL_S)
         store.fence(None)
         logged, followed = False, 0.0
         while not stop.is_set():
