@@ -182,16 +182,17 @@ def train_worker(config: TrainConfig, rank: int, world_size: int, on_step: OnSte
     net: torch.nn.Module = model
     hook_state: Any = None
     hook_stats = None
+    start_iter = 0  # dense steps before a DDP hook compresses
     counting: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
     if hook is not None:
         ddp = DistributedDataParallel(model)
-        kw = config.sparse_kwargs()
+        start_iter = config.sparse_kwargs()["start_iter"]
         hook_state, hook_stats = register_hook(
             ddp,
             hook,
             density=config.density,
             powersgd_rank=config.powersgd_rank,
-            start_iter=kw["start_iter"],
+            start_iter=start_iter,
             seed=config.seed,
         )
         if hook != "sparse":  # torch's hooks call torch.distributed directly: count them in the backward pass
@@ -212,19 +213,15 @@ def train_worker(config: TrainConfig, rank: int, world_size: int, on_step: OnSte
             lr = optimizer.param_groups[0]["lr"]
             comm_time: float | None
             if sharded:
-                loss_buf[0] = loss.detach()
-                with stats.scope("loss"):
-                    dist.all_reduce(loss_buf, op=dist.ReduceOp.AVG)
-                train_loss = float(loss_buf.item())
-                if not math.isfinite(train_loss):
-                    raise RuntimeError(f"step {step}: training loss is {train_loss}")
+                train_loss = _average_loss(loss_buf, loss, step)
                 t_comm = time.perf_counter()
                 optimizer.step()
                 comm_time = time.perf_counter() - t_comm
                 last = getattr(optimizer, "last_grad_norm", None)
                 grad_norm = None if last is None else float(last)
-            elif hook is not None:
-                (train_loss, grad_norm), comm_time = _hooked_step(config, params, loss_buf, loss, optimizer), None
+            elif hook is not None:  # DDP's hook averaged the gradients during the backward pass
+                train_loss = _average_loss(loss_buf, loss, step)
+                grad_norm, comm_time = _clip_and_step(config, params, optimizer), None
             else:
                 train_loss, grad_norm, comm_time = _allreduce_step(config, params, bucket, loss, optimizer)
             ops = op_delta(ops0, stats.as_dict())
@@ -247,7 +244,7 @@ def train_worker(config: TrainConfig, rank: int, world_size: int, on_step: OnSte
             elif isinstance(optimizer, (LocalAdamS, TopKAdamS)):
                 record["sparse"] = step > optimizer.warmup_steps
             elif hook is not None:
-                record["sparse"] = step > config.sparse_kwargs()["start_iter"]
+                record["sparse"] = step > start_iter
             records.append(record)
             event = dict(record)
             if step == config.steps or (config.eval_interval and step % config.eval_interval == 0):
@@ -311,22 +308,15 @@ def _allreduce_step(
     return train_loss, _clip_and_step(config, params, optimizer), comm_time
 
 
-def _hooked_step(
-    config: TrainConfig,
-    params: list[torch.nn.Parameter],
-    loss_buf: torch.Tensor,
-    loss: torch.Tensor,
-    optimizer: torch.optim.Optimizer,
-) -> tuple[float, float]:
-    """The ``ddp-*`` step after the backward pass (DDP's hook averaged the gradients): average the loss, clip,
-    step; return (loss, norm)."""
+def _average_loss(loss_buf: torch.Tensor, loss: torch.Tensor, step: int) -> float:
+    """The ranks' mean training loss of ``step`` (its own one-element all-reduce, stats scope ``loss``)."""
     loss_buf[0] = loss.detach()
     with dist.get_communicator().stats.scope("loss"):
         dist.all_reduce(loss_buf, op=dist.ReduceOp.AVG)
     train_loss = float(loss_buf.item())
     if not math.isfinite(train_loss):
-        raise RuntimeError(f"training loss is {train_loss}")
-    return train_loss, _clip_and_step(config, params, optimizer)
+        raise RuntimeError(f"step {step}: training loss is {train_loss}")
+    return train_loss
 
 
 def _clip_and_step(config: TrainConfig, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> float:
