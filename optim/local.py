@@ -77,6 +77,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -90,6 +91,7 @@ from optim.window_order import WINDOW_ORDERS, spread_window, window_positions, w
 from sparsecomm.collectives import sparse_all_reduce
 from sparsecomm.mask import ShardedMask, k_for
 from sparsecomm.quantized import QUANT_BITS, Quantizer, quantized_all_reduce
+from sparsecomm.worker import SerialWorker
 
 __all__ = [
     "LOCAL_SCHEDULES",
@@ -122,6 +124,83 @@ def auto_wire_bits(density: float, buffers: int = 1) -> int:
         if 32.0 * density / (buffers * Quantizer(bits=bits).bits_per_value()) >= 0.5:
             return bits
     return min(QUANT_BITS)
+
+
+class _Slots:
+    """Where one averaging's positions sit in a flat buffer of ``world_size`` shards, and in one shard.
+
+    Staggered window ``j`` of ``k`` positions per shard in ``order``
+    (:func:`window_runs`, :func:`spread_window`), or every position
+    (``k = shard_size``, the periodic schedule). :meth:`read` hands back the
+    rows it copied (spread order) so that a :meth:`write` into a buffer that
+    did not change in between need not copy them again.
+    """
+
+    def __init__(self, j: int, k: int, shard_size: int, world_size: int, order: str) -> None:
+        self.shard_size, self.world_size = shard_size, world_size
+        self.runs = window_runs(j, k, shard_size)
+        self.spread = spread_window(j, k, shard_size) if order == "spread" else None
+
+    def _shards(self, x: Tensor) -> list[Tensor]:
+        return list(x.view(-1, self.shard_size)) if x.numel() > self.shard_size else [x]
+
+    def read(self, x: Tensor) -> tuple[Tensor, list[tuple[Tensor, Tensor]] | None]:
+        """The positions' values of each shard of ``x`` (or of one shard-sized ``x``), shard by shard (new tensor)."""
+        w = self.spread
+        if w is None:
+            return torch.cat([s[a:z] for s in self._shards(x) for a, z in self.runs]), None
+        rows = [w.take(s) for s in self._shards(x)]
+        return torch.cat([w.values(*r) for r in rows]), rows
+
+    def write(self, x: Tensor, values: Tensor, rows: list[tuple[Tensor, Tensor]] | None = None) -> None:
+        """Set the positions of ``x`` to ``values`` (as :meth:`read` orders them); ``rows``: :meth:`read`'s of ``x``."""
+        shards, w = self._shards(x), self.spread
+        parts = values.split(values.numel() // len(shards))
+        if w is None:
+            for s, v in zip(shards, parts, strict=True):
+                at = 0
+                for a, z in self.runs:
+                    s[a:z] = v[at : at + z - a]
+                    at += z - a
+            return
+        for i, (s, v) in enumerate(zip(shards, parts, strict=True)):
+            w.write(s, *(w.take(s) if rows is None else rows[i]), v)
+
+
+@dataclass
+class _Part:
+    """One buffer's share of an averaging in codes: what the exchange sends and what landing it needs."""
+
+    buf: Tensor
+    anchor: Tensor
+    own_residual: Tensor
+    last: Tensor  # the anchor's values at the positions
+    last_rows: list[tuple[Tensor, Tensor]] | None
+    buf_rows: list[tuple[Tensor, Tensor]] | None
+    change: Tensor  # the buffer's change since the anchor: sent, then the average
+    mine: Tensor  # the owner's residual at this rank's positions
+    mine_rows: list[tuple[Tensor, Tensor]] | None
+    error: Tensor | None = None  # after the exchange: this rank's encoding error (late: plus avg - change sent)
+
+
+@dataclass
+class _Exchange:
+    """An averaging in codes started after step ``step``: its parts and, with ``overlap``, the worker's future."""
+
+    step: int
+    slots: _Slots
+    parts: list[_Part]
+    late: bool
+    done: torch.futures.Future[None] | None = None
+
+
+def _exchange(comm: Any, quantizer: Quantizer, parts: list[_Part], late: bool) -> None:
+    """Average every part's change in codes (point to point only: may run on a worker thread)."""
+    for part in parts:
+        sent = part.change.clone() if late else None
+        part.error = quantized_all_reduce(comm, part.change, quantizer, residual=part.mine)
+        if sent is not None:  # lands a step late: add the average minus what this rank sent to its current values
+            part.error.add_(part.change).sub_(sent)
 
 
 class LocalAdamS(ReplicatedAdamS):
@@ -205,6 +284,18 @@ class LocalAdamS(ReplicatedAdamS):
             With the first moments shared, the debiased normalizer debiases
             the gradient's term alone (:func:`optim.adams.debiased_adams_step_`,
             ``shared_moment``).
+        overlap: ``True``: the averaging of the positions of step ``t`` (in codes)
+            runs on a background thread, in point-to-point messages only, while
+            the caller computes step ``t + 1``'s forward and backward, and lands
+            after step ``t + 1``'s update: each replica adds the average minus
+            the change it sent, keeping what it did meanwhile. The same bytes;
+            the wire time and the wait for slower ranks hide under compute, for
+            a one-step-older average. Snapshots and state dicts hold the state
+            before it lands; a restore sends it again at the next step (bit for
+            bit). One such optimizer per communicator at a time; call
+            :meth:`close` (or :meth:`average_params`) before building another on
+            it. Needs ``wire_bits`` codes. ``False`` (default): it lands in
+            the step that started it.
 
     Raises:
         ValueError: Bad arguments (before any communication, the same on every rank).
@@ -229,6 +320,7 @@ class LocalAdamS(ReplicatedAdamS):
         normalizer: str = "auto",
         window_order: str = "auto",
         average_moment: bool | str = "auto",
+        overlap: bool = False,
         wd_min_ndim: int = 2,
     ) -> None:
         if schedule not in LOCAL_SCHEDULES:
@@ -241,6 +333,8 @@ class LocalAdamS(ReplicatedAdamS):
             raise ValueError(f"Invalid wire_dtype: {wire_dtype!r} (must be one of {WIRE_DTYPES})")
         if average_moment not in ("auto", True, False):
             raise ValueError(f"Invalid average_moment: {average_moment!r} (must be 'auto', True or False)")
+        if not isinstance(overlap, bool):
+            raise ValueError(f"Invalid overlap: {overlap!r} (must be True or False)")
         self.schedule = schedule
         self.wire_dtype = wire_dtype
         self.quantizer: Quantizer | None = None
@@ -268,6 +362,10 @@ class LocalAdamS(ReplicatedAdamS):
             wire_bits = auto_wire_bits(density, buffers)
         self.wire_bits = wire_bits
         """The code width of the changes (``None``: ``wire_dtype`` values)."""
+        if overlap and wire_bits is None:
+            raise ValueError("overlap runs the averaging of the changes in codes beside the next step: set wire_bits")
+        self.overlap = overlap
+        """Whether each averaging lands one step late, its exchange running beside the next forward and backward."""
         if wire_bits is not None:
             self.quantizer = Quantizer(bits=wire_bits)
             scale = torch.finfo(torch.float32).bits / (buffers * self.quantizer.bits_per_value())
@@ -298,7 +396,8 @@ class LocalAdamS(ReplicatedAdamS):
             config=f"LocalAdamS|{schedule}|{wire_dtype}|{normalizer}"
             + ("|spread" if window_order == "spread" else "")
             + ("" if wire_bits is None else f"|int{wire_bits}")
-            + ("|moment" if self.average_moment else ""),
+            + ("|moment" if self.average_moment else "")
+            + ("|overlap" if overlap else ""),
         )
         b = self._bucket
         self.k = k_for(b.numel, b.world_size, self.wire_density)
@@ -315,6 +414,9 @@ class LocalAdamS(ReplicatedAdamS):
                 self._delta = torch.zeros(b.padded_numel, dtype=wire_dtype, device=self._flat.device)
         self._moment_anchor = self._m.clone() if self.average_moment else None
         self._moment_residual = b.new_flat() if self.average_moment else None
+        self._in_flight: _Exchange | None = None
+        self._worker: SerialWorker[None] | None = None
+        self._repost = False  # restored with the last step's averaging unsent: send it at the next step
 
     def _extra_moments(self) -> dict[str, Tensor]:
         return {} if self._s is None else {"exp_avg_sq": self._s}
@@ -393,9 +495,8 @@ class LocalAdamS(ReplicatedAdamS):
             return  # one rank: nothing to average (and no bfloat16 rounding of its own changes)
         n, flat, anchor = self._bucket.numel, self._flat, self._anchor
         if self.quantizer is not None:
-            for buf, last, residual in self._anchored():  # the parameters, then (average_moment) the first moment
-                assert residual is not None
-                self._average_codes(t, self.quantizer, buf, last, residual)
+            self._land()  # overlap: the averaging started after the last step
+            self._start(t)
             return
         if anchor is None or self._delta is None:
             if self.schedule == "periodic":
@@ -419,43 +520,92 @@ class LocalAdamS(ReplicatedAdamS):
         anchor.index_copy_(0, pos, averaged)
         flat.index_copy_(0, pos, averaged)
 
-    def _average_codes(self, t: int, quantizer: Quantizer, flat: Tensor, anchor: Tensor, residual: Tensor) -> None:
-        """Average ``flat``'s changes since ``anchor`` in ``quantizer``'s codes; each rank keeps its encoding error."""
-        own = self._bucket.own_slice(residual)
+    def _slots(self, t: int) -> _Slots:
+        b = self._bucket
         if self.schedule == "periodic":
-            change = flat - anchor
-            error = quantized_all_reduce(self._comm, change, quantizer, residual=own)
-            anchor.add_(change)
-            torch.add(anchor, error, out=flat)
+            return _Slots(0, b.shard_size, b.shard_size, b.world_size, "contiguous")
+        return _Slots(t - self.warmup_steps, self.k, b.shard_size, b.world_size, self.window_order)
+
+    def _start(self, t: int) -> None:
+        """Average the changes since the anchors at the positions of step ``t`` in codes; with ``overlap``, start it.
+
+        Each rank sends its change at every position; the owner of a position
+        averages the ranks' changes and adds them to the anchor, which stays
+        the same on every rank. Each rank keeps what the encoding of its own
+        change dropped, and each owner what the encoding of the average dropped.
+        """
+        assert self.quantizer is not None
+        slots, parts = self._slots(t), []
+        for buf, anchor, residual in self._anchored():  # the parameters, then (average_moment) the first moment
+            assert residual is not None
+            own = self._bucket.own_slice(residual)
+            last, last_rows = slots.read(anchor)
+            change, buf_rows = slots.read(buf)
+            mine, mine_rows = slots.read(own)
+            parts.append(_Part(buf, anchor, own, last, last_rows, buf_rows, change.sub_(last), mine, mine_rows))
+        ex = _Exchange(t, slots, parts, late=self.overlap)
+        if not self.overlap:
+            _exchange(self._comm, self.quantizer, parts, late=False)
+            self._land_parts(ex)
             return
-        b, j = self._bucket, t - self.warmup_steps
-        if self.window_order == "contiguous":  # one or two runs per shard: slices, no index tensors
-            runs = window_runs(j, self.k, b.shard_size)
-            parts = [(r * b.shard_size + a, r * b.shard_size + z) for r in range(b.world_size) for a, z in runs]
-            lengths = [z - a for a, z in parts]
-            change = torch.empty(sum(lengths), dtype=flat.dtype, device=flat.device)
-            for (a, z), c in zip(parts, change.split(lengths), strict=True):
-                torch.sub(flat[a:z], anchor[a:z], out=c)
-            mine = torch.cat([own[a:z] for a, z in runs])
-            error = quantized_all_reduce(self._comm, change, quantizer, residual=mine)
-            for (a, z), m in zip(runs, mine.split([z - a for a, z in runs]), strict=True):
-                own[a:z] = m
-            for (a, z), c, e in zip(parts, change.split(lengths), error.split(lengths), strict=True):
-                anchor[a:z] += c
-                torch.add(anchor[a:z], e, out=flat[a:z])
+        if self._worker is None:
+            self._worker = SerialWorker("sparsecomm-local-average")
+        comm, quantizer = self._comm, self.quantizer
+        ex.done = self._worker.submit(lambda: _exchange(comm, quantizer, parts, late=True))
+        self._in_flight = ex
+
+    def _land(self) -> None:
+        """Wait for the averaging in flight (``overlap``) and write it into the buffers, anchors and residuals."""
+        ex, self._in_flight = self._in_flight, None
+        if ex is None:
             return
-        w = spread_window(j, self.k, b.shard_size)  # whole cache lines, in the order of window_positions
-        flats, anchors = flat.view(b.world_size, -1), anchor.view(b.world_size, -1)
-        fl, an = [w.take(x) for x in flats], [w.take(x) for x in anchors]
-        change = torch.cat([w.values(f - a, ft - at) for (f, ft), (a, at) in zip(fl, an, strict=True)])
-        mine_rows = w.take(own)
-        mine = w.values(*mine_rows)
-        error = quantized_all_reduce(self._comm, change, quantizer, residual=mine)
-        w.write(own, *mine_rows, mine)
-        for r, (c, e) in enumerate(zip(change.split(self.k), error.split(self.k), strict=True)):
-            averaged = w.values(*an[r]).add_(c)
-            w.write(anchors[r], *an[r], averaged)
-            w.write(flats[r], *fl[r], averaged.add_(e))
+        assert ex.done is not None
+        ex.done.wait()
+        self._land_parts(ex)
+
+    def _land_parts(self, ex: _Exchange) -> None:
+        for part in ex.parts:
+            assert part.error is not None
+            ex.slots.write(part.own_residual, part.mine, part.mine_rows)
+            averaged = part.last.add_(part.change)
+            ex.slots.write(part.anchor, averaged, part.last_rows)
+            if ex.late:  # the buffer moved on since the change was read: add the average minus what was sent
+                now, _ = ex.slots.read(part.buf)
+                ex.slots.write(part.buf, now.add_(part.error))
+            else:
+                ex.slots.write(part.buf, averaged.add_(part.error), part.buf_rows)
+
+    def _settle(self) -> None:
+        """After a restore, send the averaging the last step started (the same bytes as the first time)."""
+        if not self._repost:
+            return
+        self._repost = False
+        t = self._step - 1
+        if self._bucket.world_size > 1 and t >= self.warmup_steps and self.is_average_step(t):
+            self._start(t)
+
+    def _quiesce(self) -> None:
+        """Drop the averaging in flight unwaited (its thread only writes its own copies) before a restore."""
+        ex, self._in_flight = self._in_flight, None
+        if ex is not None and ex.done is not None and not ex.done.done() and self._worker is not None:
+            self._worker.retire()  # it may be blocked on a failed transport: a new thread serves what comes next
+            self._worker = None
+        self._repost = self.overlap
+
+    def abandon(self) -> None:
+        """Drop the averaging in flight without waiting for it (its transport failed). Local."""
+        self._quiesce()
+        self._repost = False
+        if self._worker is not None:
+            self._worker.retire()
+            self._worker = None
+
+    def close(self) -> None:
+        """Land the averaging still in flight and stop its thread (call before tearing the group down)."""
+        self._land()
+        if self._worker is not None:
+            self._worker.stop()
+            self._worker = None
 
     def _full_state(self) -> dict[str, Tensor]:
         out = {**super()._full_state(), **self._extra_moments()}
@@ -489,6 +639,7 @@ class LocalAdamS(ReplicatedAdamS):
         """As :meth:`ReplicatedAdamS.restore_replica`, with the measured noise's EMAs (``normalizer="measured"``)."""
         if self.noise is not None:
             check_noise_state(snap.get("extra") or {})  # checked before anything is written
+        self._quiesce()
         super().restore_replica(snap)
         if self.noise is not None:
             self.noise.load_state_dict(snap["extra"])
@@ -504,8 +655,13 @@ class LocalAdamS(ReplicatedAdamS):
 
         Collective: every rank must call this. Use it once training is over (or
         before saving a model that must be the same on every rank); the local
-        first moments are kept.
+        first moments are kept. With ``overlap``, the averaging in flight lands first.
         """
+        self._settle()
+        self._land()
+        self._average_replicas()
+
+    def _average_replicas(self) -> None:
         self._follow_params()
         with self._comm.stats.scope("average"):
             self._comm.all_reduce(self._flat, ReduceOp.AVG)
@@ -518,10 +674,22 @@ class LocalAdamS(ReplicatedAdamS):
 
         Collective: every rank must enter it (one dense all_reduce). For
         evaluation and checkpoints of the model the ranks train together.
-        Do not step the optimizer inside the block.
+        Do not step the optimizer inside the block. With ``overlap``, the
+        average includes the averaging in flight, which still lands at the
+        next step: evaluating does not change the run.
         """
+        self._settle()
         own = self._flat.clone()
-        self.average_params()
+        ex = self._in_flight
+        if ex is not None:  # the replicas as they will be once it lands; anchors and residuals untouched
+            assert ex.done is not None
+            ex.done.wait()
+            for part in ex.parts:
+                if part.buf is self._flat:
+                    assert part.error is not None
+                    now, _ = ex.slots.read(part.buf)
+                    ex.slots.write(part.buf, now.add_(part.error))
+        self._average_replicas()
         try:
             yield
         finally:

@@ -42,8 +42,6 @@ at the earliest.
 """
 
 import logging
-import queue
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +55,7 @@ from sparsecomm.collectives import sparse_all_reduce
 from sparsecomm.groups import Group, get_communicator, is_initialized, new_group
 from sparsecomm.mask import ShardedMask, k_for
 from sparsecomm.schedule import MaskSchedule
+from sparsecomm.worker import SerialWorker
 
 __all__ = ["SparseHookState", "sparse_allreduce_hook", "noop_hook", "let_optimizer_sync"]
 
@@ -170,7 +169,7 @@ class SparseHookState:
         self._comm: Communicator | None = None
         self._buckets: dict[int, _Bucket] = {}
         self._checked: set[tuple[int, int]] = set()
-        self._worker: _Worker | None = None
+        self._worker: SerialWorker[torch.Tensor] | None = None
         # main thread (the hook): iterations seen by this object, and the model's parameters in the
         # order of its first iteration (DDP's provisional buckets: reverse registration order)
         self._life = 0
@@ -285,7 +284,7 @@ class SparseHookState:
 
     def _submit(self, job: Callable[[], torch.Tensor]) -> torch.futures.Future[torch.Tensor]:
         if self._worker is None:
-            self._worker = _Worker()
+            self._worker = SerialWorker("sparsecomm-ddp-hook")
         return self._worker.submit(job)
 
     def _enter(self, bucket: GradBucket) -> tuple[int, int, Layout]:
@@ -403,51 +402,6 @@ class SparseHookState:
         for target in range(it + 1, it + 2 + self.mask_delay):
             if self.is_sparse_iter(target) and not sched.scheduled(target):
                 sched.propose(target - 1 - self.mask_delay, scores)
-
-
-class _Worker:
-    """One thread that runs the buckets' communication in submission order and completes their futures."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.Queue[tuple[Callable[[], torch.Tensor], torch.futures.Future[torch.Tensor]] | None] = (
-            queue.Queue()
-        )
-        self._idle = threading.Condition()
-        self._busy = 0
-        self._thread = threading.Thread(target=self._loop, name="sparsecomm-ddp-hook", daemon=True)
-        self._thread.start()
-
-    def submit(self, job: Callable[[], torch.Tensor]) -> torch.futures.Future[torch.Tensor]:
-        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        with self._idle:
-            self._busy += 1
-        self._jobs.put((job, fut))
-        return fut
-
-    def drain(self) -> None:
-        with self._idle:
-            while self._busy:
-                self._idle.wait()
-
-    def stop(self) -> None:
-        self._jobs.put(None)
-        self._thread.join()
-
-    def _loop(self) -> None:
-        while True:
-            item = self._jobs.get()
-            if item is None:
-                return
-            job, fut = item
-            try:
-                result = job()
-            except BaseException as exc:  # noqa: BLE001 - delivered to DDP through the future
-                fut.set_exception(exc)  # type: ignore[arg-type]  # torch's stub types it as the result
-            else:
-                fut.set_result(result)
-            with self._idle:
-                self._busy -= 1
-                self._idle.notify_all()
 
 
 def sparse_allreduce_hook(state: SparseHookState, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:

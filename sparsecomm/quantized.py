@@ -11,8 +11,9 @@ each chunk, as in a reduce-scatter:
 2. the owner decodes the ``world_size`` contributions in rank order, averages
    them, adds its own *residual* (what its earlier encodings of the average
    dropped), encodes the result and keeps the new residual;
-3. one all-gather of the owners' codes; every rank decodes the same bytes, so
-   the result is identical everywhere.
+3. every owner sends its codes to every other rank (an all-gather, again made
+   of send/recv pairs); every rank decodes the same bytes, so the result is
+   identical everywhere.
 
 Each rank gets back what the encoding of its own values dropped (its
 *error*); a caller that adds it to its next input (error feedback) loses
@@ -27,6 +28,7 @@ import dataclasses
 import functools
 import logging
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -40,7 +42,7 @@ QUANT_BITS = (1, 2, 4, 8)
 """Code widths a :class:`Quantizer` offers."""
 
 QUANTIZED_TAG = 0x5C0D
-"""Send/recv tag of the all-to-all step."""
+"""Send/recv tag of the all-to-all step (``QUANTIZED_TAG + 1``: the gather of the averages)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -217,13 +219,30 @@ def _check(comm: Communicator, values: object, quantizer: object, residual: obje
     return chunk
 
 
+def _exchange(comm: Communicator, outgoing: Callable[[int], torch.Tensor], got: torch.Tensor, tag: int) -> None:
+    """Send ``outgoing(r)`` to every other rank ``r`` and receive row ``r`` of ``got`` from it (point to point)."""
+    ws, rank = comm.world_size, comm.rank
+    works: list[Work] = []
+    for step in range(1, ws):
+        dst, src = (rank + step) % ws, (rank - step) % ws
+        recv = comm.recv(got[src], src, tag=tag, async_op=True)
+        send = comm.send(outgoing(dst), dst, tag=tag, async_op=True)
+        works += [w for w in (recv, send) if isinstance(w, Work)]
+    for w in works:
+        w.wait()
+
+
 def quantized_all_reduce(
     comm: Communicator, values: torch.Tensor, quantizer: Quantizer, *, residual: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Average ``values`` across ranks in ``quantizer``'s codes, in place; return this rank's encoding error.
 
     Collective: every rank of ``comm`` must call this with the same number of
-    values and the same quantizer.
+    values and the same quantizer. It moves its bytes in point-to-point
+    messages of its own tags only (:data:`QUANTIZED_TAG`), no collective, so
+    one call may run on another thread beside the caller's collectives on
+    the same communicator (:class:`optim.LocalAdamS` with ``overlap=True``),
+    as long as no two calls run at once.
 
     Args:
         comm: The communicator.
@@ -256,14 +275,7 @@ def quantized_all_reduce(
     got = torch.empty_like(sent)
     got[rank] = sent[rank]
     with comm.stats.scope("quantized_all_reduce"):
-        works: list[Work] = []
-        for step in range(1, ws):
-            dst, src = (rank + step) % ws, (rank - step) % ws
-            recv = comm.recv(got[src], src, tag=QUANTIZED_TAG, async_op=True)
-            send = comm.send(sent[dst], dst, tag=QUANTIZED_TAG, async_op=True)
-            works += [w for w in (recv, send) if isinstance(w, Work)]
-        for w in works:
-            w.wait()
+        _exchange(comm, lambda r: sent[r], got, QUANTIZED_TAG)
         avg = torch.zeros(chunk, dtype=torch.float32, device=values.device)
         contribution = torch.empty_like(avg)
         for r in range(ws):
@@ -273,7 +285,8 @@ def quantized_all_reduce(
             avg += residual
         own, decoded = quantizer.encode(avg, decoded=contribution)
         gathered = torch.empty(ws * nbytes, dtype=torch.uint8, device=values.device)
-        comm.all_gather(gathered, own)
+        gathered.view(ws, nbytes)[rank] = own
+        _exchange(comm, lambda r: own, gathered.view(ws, nbytes), QUANTIZED_TAG + 1)
     # written only once every transfer finished: a failed call leaves values and residual as they were
     if residual is not None:
         torch.sub(avg, decoded, out=residual)

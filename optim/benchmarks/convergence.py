@@ -53,6 +53,7 @@ OnRun = Callable[[dict[str, Any]], None]
 METHODS = (
     "scape",
     "local",
+    "local-overlap",
     "local-bf16",
     "local-int8",
     "local-int4",
@@ -70,18 +71,19 @@ METHODS = (
     "periodic",
     "topk",
 )
-"""Sparse methods a convergence run can compare, each at every density: SCAPE; LocalAdamS with its
-defaults (``local``: staggered window of changes in the codes of :func:`optim.local.auto_wire_bits`,
-``window_order="auto"``, ``normalizer="auto"``, ``average_moment="auto"``); the defaults with the first
-moments averaged at every density or at none (``local-moment``, ``local-nomoment``: the defaults before
-``average_moment``); the rest without them: the defaults with the debiased or the measured
-normalizer at every density (``local-debiased``, ``local-measured``); with the debiased normalizer and in the
-window's own order (contiguous) unless the name says otherwise: with ``B``-bit codes at every density
-(``local-intB``), with bfloat16 changes (``local-bf16``, the defaults before the codes), either order at
-every density (``local-contiguous``, ``local-spread``); bfloat16 changes with plain per-rank AdamS
-(``local-plain``), the defaults' codes and order with plain per-rank AdamS (``local-codes-plain``); float32
-values and plain AdamS (``local-f32``); a periodic dense float32 average and plain AdamS
-(``periodic``); TopKAdamS (top-k + error feedback)."""
+"""Sparse methods a convergence run can compare, each at every density: SCAPE; LocalAdamS with its defaults
+(``local``: staggered window of changes in the codes of :func:`optim.local.auto_wire_bits`,
+``window_order="auto"``, ``normalizer="auto"``, ``average_moment="auto"``); the defaults with each averaging
+landing a step late, its exchange beside the next step's compute (``local-overlap``); the defaults with the
+first moments averaged at every density or at none (``local-moment``, ``local-nomoment``: the defaults before
+``average_moment``); the rest without them: the defaults with the debiased or the measured normalizer at every
+density (``local-debiased``, ``local-measured``); with the debiased normalizer and in the window's own order
+(contiguous) unless the name says otherwise: with ``B``-bit codes at every density (``local-intB``), with
+bfloat16 changes (``local-bf16``, the defaults before the codes), either order at every density
+(``local-contiguous``, ``local-spread``); bfloat16 changes with plain per-rank AdamS (``local-plain``), the
+defaults' codes and order with plain per-rank AdamS (``local-codes-plain``); float32 values and plain AdamS
+(``local-f32``); a periodic dense float32 average and plain AdamS (``periodic``); TopKAdamS (top-k + error
+feedback)."""
 
 _METHOD_OVERRIDES: dict[str, dict[str, Any]] = {
     "scape": {"optimizer": "scape"},
@@ -90,6 +92,13 @@ _METHOD_OVERRIDES: dict[str, dict[str, Any]] = {
         "local_schedule": "staggered",
         "local_wire": "auto",
         "local_normalizer": "auto",
+    },
+    "local-overlap": {
+        "optimizer": "local-adams",
+        "local_schedule": "staggered",
+        "local_wire": "auto",
+        "local_normalizer": "auto",
+        "local_overlap": True,
     },
     "local-bf16": {
         "optimizer": "local-adams",
@@ -177,7 +186,7 @@ _METHOD_OVERRIDES: dict[str, dict[str, Any]] = {
 
 
 for _name, _ov in _METHOD_OVERRIDES.items():  # the variants measured before average_moment: as they ran
-    if _ov["optimizer"] == "local-adams" and _name not in ("local", "local-moment"):
+    if _ov["optimizer"] == "local-adams" and _name not in ("local", "local-overlap", "local-moment"):
         _ov.setdefault("local_moment", "off")
 
 

@@ -41,7 +41,8 @@ __all__ = ["METHODS", "WallclockConfig", "cell_name", "run_cell", "run_wallclock
 
 #: Methods: a train-job optimizer, and ``@density`` for the sparse ones. ``adams`` (dense sharded AdamS) is the
 #: reference every ratio is to; ``allreduce-adamw`` is what DDP + AdamW does (a bucketed gradient all-reduce),
-#: ``ddp-powersgd-adamw`` DDP with PowerSGD (rank 4), ``ddp-sparse-adamw`` DDP with sparsecomm's sparse hook.
+#: ``ddp-powersgd-adamw`` DDP with PowerSGD (rank 4), ``ddp-sparse-adamw`` DDP with sparsecomm's sparse hook,
+#: ``local-adams-overlap`` LocalAdamS with each averaging beside the next step's compute (``overlap=True``).
 METHODS = (
     "adams",
     "allreduce-adamw",
@@ -50,6 +51,8 @@ METHODS = (
     "ddp-sparse-adamw@0.01",
     "local-adams@0.1",
     "local-adams@0.01",
+    "local-adams-overlap@0.1",
+    "local-adams-overlap@0.01",
     "scape@0.1",
     "scape@0.01",
 )
@@ -134,6 +137,8 @@ class WallclockConfig:
         }
         if density:
             settings["density"] = float(density)
+        if optimizer == "local-adams-overlap":
+            settings.update(optimizer="local-adams", local_overlap=True)
         return settings
 
 

@@ -98,6 +98,11 @@ def add_scape_options(p: argparse.ArgumentParser, d: TrainConfig) -> None:
         "same bytes (half the positions per step), or not (off); auto: on where the parameters' codes alone "
         "cover at least half of the shard per step",
     )
+    p.add_argument(
+        "--local-overlap",
+        action="store_true",
+        help="LocalAdamS: each averaging (in codes) runs beside the next forward and backward and lands one step late",
+    )
     p.add_argument("--mask-delay", type=int, default=d.mask_delay, help="SCAPE: mask delay D")
     p.add_argument("--unselected", choices=UNSELECTED_POLICIES, default=d.unselected, help="SCAPE: unselected policy")
     p.add_argument("--error-feedback", action="store_true", help="SCAPE: keep the unsent gradient as a residual")
@@ -137,6 +142,7 @@ def scape_settings(args: argparse.Namespace) -> dict[str, Any]:
         "local_normalizer": args.local_normalizer,
         "local_window_order": args.local_window_order,
         "local_moment": args.local_moment,
+        "local_overlap": args.local_overlap,
         "mask_delay": args.mask_delay,
         "unselected": args.unselected,
         "error_feedback": args.error_feedback,

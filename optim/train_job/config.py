@@ -91,6 +91,7 @@ class TrainConfig:
     local_normalizer: str = "auto"  # LocalAdamS: auto | debiased | measured | local (see optim.LocalAdamS).
     local_window_order: str = "auto"  # LocalAdamS: auto | contiguous | spread staggered window.
     local_moment: str = "auto"  # LocalAdamS: auto | on | off: the window carries the first moment's changes too.
+    local_overlap: bool = False  # LocalAdamS: each averaging lands a step late, beside the next forward/backward.
     unselected: str = "decay_m"  # SCAPE: policy of unselected coordinates (freeze | decay_m).
     error_feedback: bool = False  # SCAPE: keep the unsent gradient as a local residual.
     refresh_every: int = 0  # SCAPE: every this many steps a dense step (0: never).
@@ -141,6 +142,8 @@ class TrainConfig:
             raise ValueError(f"local_normalizer must be one of {NORMALIZERS}, got {self.local_normalizer!r}")
         if self.local_window_order not in WINDOW_ORDERS:
             raise ValueError(f"local_window_order must be one of {WINDOW_ORDERS}, got {self.local_window_order!r}")
+        if not isinstance(self.local_overlap, bool):
+            raise ValueError(f"local_overlap must be True or False, got {self.local_overlap!r}")
         if self.local_moment not in LOCAL_MOMENTS:
             raise ValueError(f"local_moment must be one of {tuple(LOCAL_MOMENTS)}, got {self.local_moment!r}")
         if self.local_schedule not in LOCAL_SCHEDULES:
@@ -213,6 +216,7 @@ class TrainConfig:
                 "normalizer": self.local_normalizer,
                 "window_order": self.local_window_order,
                 "average_moment": LOCAL_MOMENTS[self.local_moment],
+                "overlap": self.local_overlap,
             }
         if self.optimizer == "topk-adams":
             return {"density": self.density, "warmup_steps": self.sparse_warmup_steps}

@@ -255,8 +255,8 @@ def train_worker(config: TrainConfig, rank: int, world_size: int, on_step: OnSte
         if isinstance(optimizer, LocalAdamS):
             optimizer.average_params()  # every rank ends with the same model
     finally:
-        if isinstance(optimizer, SCAPE):
-            optimizer.close()  # finish the mask gathers in flight before the group goes
+        if isinstance(optimizer, (SCAPE, LocalAdamS)):
+            optimizer.close()  # finish the mask gathers or the averaging in flight before the group goes
         close_hook(hook_state)
     train_time = time.perf_counter() - t_train
     if sharded:

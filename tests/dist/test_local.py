@@ -51,6 +51,18 @@ def _make(kind: str, params: object, density: float) -> torch.optim.Optimizer:
         return LocalAdamS(params, **kw)  # codes of the changes, normalizer="auto"
     if kind in ("debiased", "measured"):
         return LocalAdamS(params, normalizer=kind, **kw)
+    if kind == "overlap":
+        return LocalAdamS(params, overlap=True, **kw)  # the defaults, each average landing a step late
+    if kind.startswith("overlap-"):  # 8-bit codes and plain per-rank AdamS, as the references below
+        return LocalAdamS(
+            params,
+            wire_bits=8,
+            average_moment=kind == "overlap-moment",
+            normalizer="local",
+            window_order="spread" if kind == "overlap-spread" else "contiguous",
+            overlap=True,
+            **kw,
+        )
     # the references below run plain AdamS per rank: the local normalizer
     if kind == "staggered-spread":
         return LocalAdamS(
@@ -67,11 +79,11 @@ def _make(kind: str, params: object, density: float) -> torch.optim.Optimizer:
             **kw,
         )
     if kind.endswith("-int4"):
-        return LocalAdamS(
-            params, schedule=kind[:-5], wire_bits=4, normalizer="local", window_order="contiguous", **kw
-        )
+        return LocalAdamS(params, schedule=kind[:-5], wire_bits=4, normalizer="local", window_order="contiguous", **kw)
     if kind.endswith("-bf16"):
-        return LocalAdamS(params, schedule=kind[:-5], wire_dtype=torch.bfloat16, wire_bits=None, normalizer="local", **kw)
+        return LocalAdamS(
+            params, schedule=kind[:-5], wire_dtype=torch.bfloat16, wire_bits=None, normalizer="local", **kw
+        )
     return LocalAdamS(params, schedule=kind, wire_dtype=torch.float32, normalizer="local", **kw)
 
 
@@ -93,13 +105,18 @@ def _rank_run(rank: int, ws: int, kind: str, density: float) -> dict:
         if "exp_avg_anchor" in state:
             moments.append(state["exp_avg"][: opt.bucket.numel].tolist())
             moment_anchors.append(state["exp_avg_anchor"][: opt.bucket.numel].tolist())
-        if kind.startswith("staggered") and t >= WARM:
+        if (kind.startswith("staggered") or kind.startswith("overlap")) and t >= WARM:
             windows.append(opt.window(t).global_indices().tolist())
     avg = None
     if kind != "topk":
         with opt.averaged():
             avg = _flat(model).tolist()
     own_after = _flat(model).tolist()
+    landed = None
+    if getattr(opt, "overlap", False):
+        opt.close()  # the last averaging lands
+        landed = _flat(model).tolist()
+    total = {op: d["bytes_sent"] for op, d in stats.as_dict().items()}
     cover = []
     if kind.startswith("staggered"):
         span = math.ceil(opt.bucket.shard_size / opt.k)
@@ -114,24 +131,49 @@ def _rank_run(rank: int, ws: int, kind: str, density: float) -> dict:
         "sent": sent,
         "avg": avg,
         "own_after": own_after,
+        "landed": landed,
+        "total_sent": total,
         "k": opt.k,
         "shard": opt.bucket.shard_size,
         "numel": opt.bucket.numel,
     }
 
 
+def _moments(opts: list, models: list) -> list[torch.Tensor]:
+    return [
+        torch.cat([o.state[p]["exp_avg"].reshape(-1) for p in m.parameters()])
+        for o, m in zip(opts, models, strict=True)
+    ]
+
+
+def _set_moments(opts: list, models: list, ms: list[torch.Tensor]) -> None:
+    for x, o, m in zip(ms, opts, models, strict=True):
+        torch.nn.utils.vector_to_parameters(x, [o.state[p]["exp_avg"] for p in m.parameters()])
+
+
 def _reference_local(
-    ws: int, kind: str, density: float, k: int, shard: int, windows: list, *, moment: bool = False
+    ws: int,
+    kind: str,
+    density: float,
+    k: int,
+    shard: int,
+    windows: list,
+    *,
+    moment: bool = False,
+    late: bool = False,
 ) -> list[list[torch.Tensor]]:
     """One AdamS per rank on its own batches; window (or periodic) averages; the warm-up averages gradients.
 
-    ``moment``: the first moments are averaged at the same positions as the parameters.
+    ``moment``: the first moments are averaged at the same positions as the parameters. ``late``: the
+    average of the positions read after step ``t`` lands after step ``t + 1``: each replica gets the average
+    minus its own value read then added to its current one.
     """
     from optim import AdamS
 
     models = [_model() for _ in range(ws)]
     opts = [AdamS(m.parameters(), lr=0.05, weight_decay=0.1, foreach=False) for m in models]  # decay: matrices
     period = max(1, round(1 / density))
+    pending: tuple[torch.Tensor, list[list[torch.Tensor]]] | None = None
     out = []
     for t in range(STEPS):
         grads = []
@@ -146,7 +188,22 @@ def _reference_local(
         for o in opts:
             o.step()
         flats = [_flat(m) for m in models]
-        if t >= WARM:
+        if late:  # land the average read after the last step, then read this step's window
+            bufs = [flats] + ([_moments(opts, models)] if moment else [])
+            if pending is not None:
+                pos, reads = pending
+                for buf, read in zip(bufs, reads, strict=True):
+                    mean = torch.stack(read).sum(0) / ws
+                    for x, own in zip(buf, read, strict=True):
+                        x[pos] += mean - own
+            if t >= WARM:
+                pos = torch.tensor([i for i in windows[t - WARM] if i < flats[0].numel()], dtype=torch.long)
+                pending = (pos, [[x[pos].clone() for x in buf] for buf in bufs])
+            for f, m in zip(flats, models, strict=True):
+                torch.nn.utils.vector_to_parameters(f, m.parameters())
+            if moment:
+                _set_moments(opts, models, bufs[1])
+        elif t >= WARM:
             if kind == "periodic":
                 pos = (
                     torch.arange(flats[0].numel()) if (t + 1 - WARM) % period == 0 else torch.zeros(0, dtype=torch.long)
@@ -158,11 +215,11 @@ def _reference_local(
                 f[pos] = mean
                 torch.nn.utils.vector_to_parameters(f, m.parameters())
             if moment:
-                ms = [torch.cat([o.state[p]["exp_avg"].reshape(-1) for p in m.parameters()]) for o, m in zip(opts, models)]
+                ms = _moments(opts, models)
                 mean = torch.stack([x[pos] for x in ms]).sum(0) / ws
-                for x, o, m in zip(ms, opts, models, strict=True):
+                for x in ms:
                     x[pos] = mean
-                    torch.nn.utils.vector_to_parameters(x, [o.state[p]["exp_avg"] for p in m.parameters()])
+                _set_moments(opts, models, ms)
         out.append([f.clone() for f in flats])
     return out
 
@@ -282,6 +339,8 @@ def _rank_resume(rank: int, ws: int, kind: str, via: str) -> dict:
         _loss(a, rank, t).backward()
         oa.step()
         cont.append(_flat(a).tolist())
+    if hasattr(oa, "close"):
+        oa.close()  # one optimizer's averaging at a time on a communicator
     b = _model(seed=5)  # other values: the load must bring this rank's replica back
     ob = _make(kind, b.parameters(), 0.25)
     if via == "snapshot":
@@ -299,7 +358,8 @@ def _rank_resume(rank: int, ws: int, kind: str, via: str) -> dict:
 
 
 @pytest.mark.parametrize(
-    "kind", ["staggered", "staggered-bf16", "staggered-int4", "default", "debiased", "measured", "topk"]
+    "kind",
+    ["staggered", "staggered-bf16", "staggered-int4", "default", "debiased", "measured", "topk", "overlap"],
 )
 @pytest.mark.parametrize("via", ["snapshot", "state_dict"])
 def test_resume_is_bitwise(kind: str, via: str) -> None:
@@ -340,6 +400,8 @@ def _rank_bad(rank: int, ws: int) -> list[str]:
         lambda: LocalAdamS(m.parameters(), average_moment="yes"),
         lambda: LocalAdamS(m.parameters(), average_moment=True, wire_bits=None),
         lambda: TopKAdamS(m.parameters(), density=True),
+        lambda: LocalAdamS(m.parameters(), overlap="yes"),
+        lambda: LocalAdamS(m.parameters(), overlap=True, wire_bits=None),
         lambda: LocalAdamS(m.parameters(), density=0.1 if rank == 0 else 0.2),  # differs between ranks
     ):
         try:
@@ -354,8 +416,8 @@ def test_bad_arguments_raise_the_same_everywhere() -> None:
     res = run_ranks(_rank_bad, 2, timeout=60, op_timeout=30)
     for msgs in res:
         assert all(m != "ok" for m in msgs), msgs
-    assert res[0][:10] == res[1][:10]
-    assert "differ between ranks" in res[0][10] and "differ between ranks" in res[1][10]
+    assert res[0][:-1] == res[1][:-1]
+    assert "differ between ranks" in res[0][-1] and "differ between ranks" in res[1][-1]
 
 
 @pytest.mark.parametrize("kind", ["staggered-bf16", "periodic-bf16"])
@@ -467,11 +529,113 @@ def test_average_moment_carries_the_first_moments_in_the_same_bytes(kind: str) -
         assert (last - ref[-1][r]).abs().mean() < 0.1 * (last - alone[-1][r]).abs().mean(), r
 
 
+@pytest.mark.parametrize("kind", ["overlap-contiguous", "overlap-spread", "overlap-moment"])
+def test_overlap_lands_each_average_one_step_late(kind: str) -> None:
+    """overlap: the window read after step t is averaged beside step t + 1 and lands after its update.
+
+    Each replica then gets the average minus its own change as read (8-bit codes, so a small lag), the anchor
+    stays the same everywhere, and the wire carries the same bytes as without overlap.
+    """
+    from sparsecomm.quantized import Quantizer
+
+    ws, density, moment = 2, 0.1, kind == "overlap-moment"
+    res = run_ranks(_rank_run, ws, kind, density, timeout=120, op_timeout=60)
+    k, shard, numel = res[0]["k"], res[0]["shard"], res[0]["numel"]
+    buffers = 2 if moment else 1
+    wire_density = min(1.0, density * 32 / (buffers * 8.25))
+    assert k == math.ceil(wire_density * numel / ws)
+    windows = res[0]["windows"]
+    assert all(r["windows"] == windows for r in res)
+    late = _reference_local(ws, "staggered", wire_density, k, shard, windows, moment=moment, late=True)
+    now = _reference_local(ws, "staggered", wire_density, k, shard, windows, moment=moment)
+    for t in range(STEPS):
+        got = [torch.tensor(r["flats"][t]) for r in res]
+        assert torch.equal(torch.tensor(res[0]["anchors"][t]), torch.tensor(res[1]["anchors"][t])), t
+        for r in range(ws):
+            err = (got[r] - late[t][r]).abs()
+            assert err.mean() < 2e-3 and err.max() < 0.02, (t, r, err.mean(), err.max())
+        if t <= WARM:  # the warm-up, and the first local step (its average is still in flight)
+            assert torch.equal(torch.tensor(res[0]["anchors"][t]), torch.tensor(res[0]["flats"][t])) == (t < WARM)
+    for r in range(ws):  # far nearer the late reference than the one that lands at once
+        last = torch.tensor(res[r]["flats"][-1])
+        assert (last - late[-1][r]).abs().mean() < 0.2 * (last - now[-1][r]).abs().mean(), r
+    # the same bytes as landing at once: every local step's window, once
+    sent = res[0]["total_sent"]
+    assert sent["quantized_all_reduce"] == (STEPS - WARM) * buffers * 2 * (ws - 1) * Quantizer(bits=8).encoded_bytes(k)
+    # averaged() is the mean of the replicas as they are once the average in flight landed
+    landed = torch.stack([torch.tensor(r["landed"]) for r in res])
+    for r in res:
+        assert torch.allclose(torch.tensor(r["avg"]), landed.mean(0), atol=1e-6)
+        assert r["own_after"] == r["flats"][-1]  # and the replica is as it was
+
+
+def _rank_overlap_eval(rank: int, ws: int, evaluate: bool) -> list[list[float]]:
+    model = _model()
+    opt = _make("overlap", model.parameters(), 0.1)
+    flats = []
+    for t in range(STEPS):
+        opt.zero_grad()
+        _loss(model, rank, t).backward()
+        opt.step()
+        if evaluate:
+            with opt.averaged():
+                pass
+        flats.append(_flat(model).tolist())
+    opt.close()
+    return flats
+
+
+def test_overlap_evaluating_inside_averaged_does_not_change_the_run() -> None:
+    plain = run_ranks(_rank_overlap_eval, 2, False, timeout=120, op_timeout=60)
+    evaluated = run_ranks(_rank_overlap_eval, 2, True, timeout=120, op_timeout=60)
+    assert plain == evaluated
+    assert plain[0][-1] != plain[1][-1]  # the replicas differ: there was something to average
+
+
+def _rank_ahead(rank: int, ws: int, where: str, overlap: bool, patience_s: float) -> bool:
+    """Rank 1 starts its first local step only once rank 0's returned; False if it waited ``patience_s`` in vain."""
+    import time
+    from pathlib import Path
+
+    from optim import LocalAdamS
+
+    model = _model()
+    opt = LocalAdamS(model.parameters(), lr=0.05, density=0.1, warmup_steps=WARM, overlap=overlap)
+    flag = Path(where) / "rank0-returned"
+    ok = True
+    for t in range(WARM + 2):
+        opt.zero_grad()
+        _loss(model, rank, t).backward()
+        if rank == 1 and t == WARM:
+            deadline = time.monotonic() + patience_s
+            while not flag.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            ok = flag.exists()
+        opt.step()
+        if rank == 0 and t == WARM:
+            flag.touch()
+    opt.close()
+    return ok
+
+
+def test_overlap_step_returns_before_the_peers_reach_theirs(tmp_path) -> None:
+    """With overlap a step's averaging runs on after step() returns: a rank goes on while its peer computes."""
+    assert run_ranks(_rank_ahead, 2, str(tmp_path), True, 30.0, timeout=120, op_timeout=60) == [True, True]
+    # without it, rank 0's step waits for rank 1's, which waits for rank 0's to return: rank 1 gives up
+    (tmp_path / "sync").mkdir()
+    assert run_ranks(_rank_ahead, 2, str(tmp_path / "sync"), False, 3.0, timeout=120, op_timeout=60) == [True, False]
+
+
 def _rank_auto_moment(rank: int, ws: int) -> list[tuple[bool, int | None, float]]:
     from optim import LocalAdamS
 
     out = []
-    for kw in ({"density": 0.1}, {"density": 0.01}, {"density": 0.1, "wire_bits": 4}, {"density": 0.1, "wire_dtype": torch.float32}):
+    for kw in (
+        {"density": 0.1},
+        {"density": 0.01},
+        {"density": 0.1, "wire_bits": 4},
+        {"density": 0.1, "wire_dtype": torch.float32},
+    ):
         opt = LocalAdamS(_model().parameters(), **kw)
         out.append((opt.average_moment, opt.wire_bits, round(opt.wire_density, 4)))
     return out
@@ -479,12 +643,16 @@ def _rank_auto_moment(rank: int, ws: int) -> list[tuple[bool, int | None, float]
 
 def test_average_moment_auto_is_on_where_the_window_of_the_parameters_alone_covers_half_the_shard() -> None:
     res = run_ranks(_rank_auto_moment, 2, timeout=60, op_timeout=30)
-    assert res[0] == res[1] == [
-        (True, 2, round(0.1 * 32 / (2 * 2.25), 4)),  # 2-bit codes of both buffers cover 71% of the shard per step
-        (False, 1, round(0.01 * 32 / 1.25, 4)),
-        (True, 4, round(0.1 * 32 / (2 * 4.25), 4)),  # the code width given: half the positions
-        (False, None, 0.1),
-    ]
+    assert (
+        res[0]
+        == res[1]
+        == [
+            (True, 2, round(0.1 * 32 / (2 * 2.25), 4)),  # 2-bit codes of both buffers cover 71% of the shard per step
+            (False, 1, round(0.01 * 32 / 1.25, 4)),
+            (True, 4, round(0.1 * 32 / (2 * 4.25), 4)),  # the code width given: half the positions
+            (False, None, 0.1),
+        ]
+    )
 
 
 def _rank_written(rank: int, ws: int) -> dict:

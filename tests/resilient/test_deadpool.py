@@ -171,6 +171,16 @@ def test_hotswap_dense_baselines_are_bitwise_transparent(tmp_path: Path, referen
 
 
 @pytest.mark.timeout(240)
+def test_hotswap_local_adams_with_overlap_is_bitwise_transparent(tmp_path: Path, reference) -> None:
+    """The averaging in flight when a worker dies is sent again from the restored replicas, bit for bit."""
+    config = _config("local-adams", density=0.1, local_overlap=True)
+    ref = reference(config)
+    run = run_resilient_training(config, _res(spares=1, kills=((1, 9),)), tmp_path)
+    _report("local-adams overlap kill 1@9", run)
+    _assert_transparent(run, ref, STEPS, failures=1)
+
+
+@pytest.mark.timeout(240)
 def test_local_adams_shrink_goes_on_from_each_survivors_replica(tmp_path: Path) -> None:
     """No spare: the survivors shrink, each restores its own replica in the new layout, and they finish.
 
