@@ -124,6 +124,10 @@ class FlatBucket:
         """A zeroed fp32 buffer of ``padded_numel`` elements on the params' device."""
         return torch.zeros(self.padded_numel, dtype=torch.float32, device=self.device)
 
+    def new_shard(self) -> Tensor:
+        """A zeroed fp32 buffer of ``shard_size`` elements (this rank's shard) on the params' device."""
+        return torch.zeros(self.shard_size, dtype=torch.float32, device=self.device)
+
     def gather_grads(self, out: Tensor) -> list[int]:
         """Fill ``out`` (padded flat fp32) with the params' grads; ``None`` grads give 0.
 

@@ -57,10 +57,12 @@ dense AdamS, and the loss gap grows with training (``benchmarks/README.md``,
     average of everyone's entries. The replicas stay identical.
 
 Memory: a full fp32 first moment on every rank (LocalAdamS's defaults add
-a second-moment EMA, the anchor and the owner's residual of the codes, and with
-``average_moment`` the first moment's anchor and residual too, or a
-bfloat16 buffer in place of the residual with bfloat16 changes; TopKAdamS a residual),
-instead of SCAPE's ``1/world_size`` share. The parameter
+a second-moment EMA and the anchor, full size, and the owner's residual of the
+codes, the size of one shard; with ``average_moment`` the first moment's anchor,
+full size, and its owner's residual, one shard, too; or a bfloat16 buffer in
+place of the residual with bfloat16 changes; TopKAdamS a residual), instead of
+SCAPE's ``1/world_size`` share. The master shard is this rank's slice of its
+replica, not a copy. The parameter
 layout, gradient gathering and parameter following are those of
 :class:`optim.sharded.ShardedAdamS` (one flat fp32 buffer that the parameters
 view). Snapshots and state dicts hold this rank's whole replica (parameters,
@@ -96,6 +98,7 @@ from sparsecomm.worker import SerialWorker
 __all__ = [
     "LOCAL_SCHEDULES",
     "NORMALIZERS",
+    "NORMALIZER_DTYPES",
     "WINDOW_ORDERS",
     "WIRE_DTYPES",
     "LocalAdamS",
@@ -105,6 +108,7 @@ __all__ = [
 LOCAL_SCHEDULES = ("staggered", "periodic")
 WIRE_DTYPES = (torch.float32, torch.bfloat16)
 NORMALIZERS = ("auto", "debiased", "measured", "local")
+NORMALIZER_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def auto_wire_bits(density: float, buffers: int = 1) -> int:
@@ -173,7 +177,7 @@ class _Part:
 
     buf: Tensor
     anchor: Tensor
-    own_residual: Tensor
+    residual: Tensor  # the owner's residual (this rank's shard)
     last: Tensor  # the anchor's values at the positions
     last_rows: list[tuple[Tensor, Tensor]] | None
     buf_rows: list[tuple[Tensor, Tensor]] | None
@@ -237,7 +241,7 @@ class LocalAdamS(ReplicatedAdamS):
             window for the same bytes. Nothing is lost to the codes: each rank
             keeps what its encoding dropped in its own replica (it goes out with
             the position's next average), and each owner what the encoding of
-            the average dropped (one more fp32 vector, ``wire_residual`` in
+            the average dropped (one fp32 shard, ``wire_residual`` in
             snapshots). ``None``: ``wire_dtype`` values (bfloat16 changes).
         normalizer: ``"debiased"``: in the local phase, AdamS's normalizer is
             built as dense AdamS's would be from the averaged gradient -- the
@@ -257,6 +261,11 @@ class LocalAdamS(ReplicatedAdamS):
             step (1-bit codes at density 0.01), debiased otherwise (4-bit codes
             at 0.1): the worst case over the convergence suite at each density
             (``benchmarks/README.md``).
+        normalizer_dtype: The dtype of the debiased normalizer's second-moment
+            EMA (``exp_avg_sq``, one full-size vector): ``torch.float32``
+            (default) or ``torch.bfloat16`` (half its bytes; each update is
+            rounded to 8 significant bits, small beside the ``1 - beta2`` it
+            moves by).
         window_order: ``"contiguous"``: the staggered window moves through
             the shard in its own order, so it averages whole tensors in turn.
             ``"spread"``: through the order of :func:`spread_positions`, so
@@ -273,9 +282,9 @@ class LocalAdamS(ReplicatedAdamS):
             ranks share their first moments at the positions they average;
             for the same bytes a step averages half the positions of the
             parameters alone at a given code width. Needs ``wire_bits`` codes;
-            two more full fp32 vectors (the first moment's anchor and the
-            owner's residual, ``exp_avg_anchor`` and ``exp_avg_wire_residual``
-            in snapshots). ``"auto"`` (default): on where the window of the
+            one more full fp32 vector and one fp32 shard (the first moment's
+            anchor and the owner's residual, ``exp_avg_anchor`` and
+            ``exp_avg_wire_residual`` in snapshots). ``"auto"`` (default): on where the window of the
             parameters' codes alone covers half of every shard per step or more
             (density 0.1: 2-bit codes of both, 71% of the positions per step,
             against 75% with 4-bit codes of the parameters alone), off
@@ -318,6 +327,7 @@ class LocalAdamS(ReplicatedAdamS):
         wire_dtype: torch.dtype = torch.bfloat16,
         wire_bits: int | str | None = "auto",
         normalizer: str = "auto",
+        normalizer_dtype: torch.dtype = torch.float32,
         window_order: str = "auto",
         average_moment: bool | str = "auto",
         overlap: bool = False,
@@ -329,6 +339,8 @@ class LocalAdamS(ReplicatedAdamS):
             raise ValueError(f"Invalid normalizer: {normalizer!r} (must be one of {NORMALIZERS})")
         if window_order not in WINDOW_ORDERS:
             raise ValueError(f"Invalid window_order: {window_order!r} (must be one of {WINDOW_ORDERS})")
+        if normalizer_dtype not in NORMALIZER_DTYPES:
+            raise ValueError(f"Invalid normalizer_dtype: {normalizer_dtype!r} (must be one of {NORMALIZER_DTYPES})")
         if wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"Invalid wire_dtype: {wire_dtype!r} (must be one of {WIRE_DTYPES})")
         if average_moment not in ("auto", True, False):
@@ -397,12 +409,13 @@ class LocalAdamS(ReplicatedAdamS):
             + ("|spread" if window_order == "spread" else "")
             + ("" if wire_bits is None else f"|int{wire_bits}")
             + ("|moment" if self.average_moment else "")
-            + ("|overlap" if overlap else ""),
+            + ("|overlap" if overlap else "")
+            + ("|s-bf16" if normalizer_dtype == torch.bfloat16 else ""),
         )
         b = self._bucket
         self.k = k_for(b.numel, b.world_size, self.wire_density)
-        self._residual = b.new_flat() if self.quantizer is not None else None
-        self._s = self._bucket.new_flat() if normalizer != "local" else None
+        self._residual = b.new_shard() if self.quantizer is not None else None
+        self._s = None if normalizer == "local" else b.new_flat().to(normalizer_dtype)
         self.noise: NoiseScale | None = NoiseScale() if normalizer == "measured" else None
         """The measured share of the debiased normalizer's noise estimate (``normalizer="measured"``)."""
         self._var_sum = torch.zeros((), dtype=torch.float64, device=self._flat.device)
@@ -413,7 +426,7 @@ class LocalAdamS(ReplicatedAdamS):
             if self.quantizer is None:
                 self._delta = torch.zeros(b.padded_numel, dtype=wire_dtype, device=self._flat.device)
         self._moment_anchor = self._m.clone() if self.average_moment else None
-        self._moment_residual = b.new_flat() if self.average_moment else None
+        self._moment_residual = b.new_shard() if self.average_moment else None
         self._in_flight: _Exchange | None = None
         self._worker: SerialWorker[None] | None = None
         self._repost = False  # restored with the last step's averaging unsent: send it at the next step
@@ -538,11 +551,10 @@ class LocalAdamS(ReplicatedAdamS):
         slots, parts = self._slots(t), []
         for buf, anchor, residual in self._anchored():  # the parameters, then (average_moment) the first moment
             assert residual is not None
-            own = self._bucket.own_slice(residual)
             last, last_rows = slots.read(anchor)
             change, buf_rows = slots.read(buf)
-            mine, mine_rows = slots.read(own)
-            parts.append(_Part(buf, anchor, own, last, last_rows, buf_rows, change.sub_(last), mine, mine_rows))
+            mine, mine_rows = slots.read(residual)
+            parts.append(_Part(buf, anchor, residual, last, last_rows, buf_rows, change.sub_(last), mine, mine_rows))
         ex = _Exchange(t, slots, parts, late=self.overlap)
         if not self.overlap:
             _exchange(self._comm, self.quantizer, parts, late=False)
@@ -566,7 +578,7 @@ class LocalAdamS(ReplicatedAdamS):
     def _land_parts(self, ex: _Exchange) -> None:
         for part in ex.parts:
             assert part.error is not None
-            ex.slots.write(part.own_residual, part.mine, part.mine_rows)
+            ex.slots.write(part.residual, part.mine, part.mine_rows)
             averaged = part.last.add_(part.change)
             ex.slots.write(part.anchor, averaged, part.last_rows)
             if ex.late:  # the buffer moved on since the change was read: add the average minus what was sent
@@ -611,10 +623,15 @@ class LocalAdamS(ReplicatedAdamS):
         out = {**super()._full_state(), **self._extra_moments()}
         if self._anchor is not None:
             out["anchor"] = self._anchor
+        if self._moment_anchor is not None:
+            out["exp_avg_anchor"] = self._moment_anchor
+        return out
+
+    def _own_state(self) -> dict[str, Tensor]:
+        out = {}
         if self._residual is not None:
             out["wire_residual"] = self._residual
-        if self._moment_anchor is not None and self._moment_residual is not None:
-            out["exp_avg_anchor"] = self._moment_anchor
+        if self._moment_residual is not None:
             out["exp_avg_wire_residual"] = self._moment_residual
         return out
 

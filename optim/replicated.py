@@ -55,6 +55,7 @@ class ReplicatedAdamS(ShardedAdamS):
     """
 
     _state_names = ()
+    _master_in_params = True  # the master shard is this rank's slice of its replica, not a copy
 
     def __init__(
         self,
@@ -136,37 +137,45 @@ class ReplicatedAdamS(ShardedAdamS):
 
     # ------------------------------------------------------------------ state
     def _full_state(self) -> dict[str, Tensor]:
+        """Full-size (padded flat) state tensors: the replica and what is kept beside it, by name."""
         return {"params": self._flat, "exp_avg": self._m}
+
+    def _own_state(self) -> dict[str, Tensor]:
+        """State tensors of this rank's shard only (``shard_size`` elements), by name."""
+        return {}
+
+    def _saved_state(self) -> dict[str, Tensor]:
+        return {**self._full_state(), **self._own_state()}
 
     @property
     def replica_state(self) -> dict[str, Tensor]:
-        """The full-size state this rank keeps beside its replica (first moment, anchor, residuals), by name."""
-        return {name: t for name, t in self._full_state().items() if name != "params"}
+        """The state this rank keeps beside its replica (first moment, anchor, residuals), by name."""
+        return {name: t for name, t in self._saved_state().items() if name != "params"}
 
     def _check_shard(self, what: str, sh: dict[str, Any]) -> None:
         super()._check_shard(what, sh)
         extra = sh.get("extra") or {}
-        for name, mine in self._full_state().items():
+        for name, mine in self._saved_state().items():
             src = extra.get(name)
             if not isinstance(src, Tensor) or src.shape != mine.shape or src.dtype != mine.dtype:
                 got = None if not isinstance(src, Tensor) else (tuple(src.shape), src.dtype)
                 raise ValueError(f"{what}: {name} should be {tuple(mine.shape)} {mine.dtype}, got {got}")
 
     def _copy_full(self, extra: dict[str, Any]) -> None:
-        for name, mine in self._full_state().items():
+        for name, mine in self._saved_state().items():
             mine.copy_(extra[name])
         self._bucket.write_params(self._flat)
         self._master.copy_(self._bucket.own_slice(self._flat))
         self._master_wins = False  # the replica was loaded into the parameters themselves
 
     def _snapshot_extra(self) -> dict[str, Any]:
-        return dict(self._full_state())
+        return dict(self._saved_state())
 
     def _restore_extra(self, extra: dict[str, Any]) -> None:
         self._copy_full(extra)
 
     def _extra_state(self) -> dict[str, Any]:
-        return {n: t.clone() for n, t in self._full_state().items()}
+        return {n: t.clone() for n, t in self._saved_state().items()}
 
     def _load_extra(self, extra: dict[str, Any]) -> None:
         self._copy_full(extra)
@@ -191,9 +200,22 @@ class ReplicatedAdamS(ShardedAdamS):
             src = extra.get(name)
             if not isinstance(src, Tensor) or src.dim() != 1 or src.numel() < b.numel or src.dtype != mine.dtype:
                 raise ValueError(f"snapshot: {name} missing or not a flat {mine.dtype} replica of {b.numel} elements")
+        saved_rank = snap.get("rank")
+        old_rank = saved_rank if type(saved_rank) is int else -1
+        for name, mine in self._own_state().items():
+            src = extra.get(name)
+            if not isinstance(src, Tensor) or src.dim() != 1 or src.dtype != mine.dtype or old_rank < 0:
+                raise ValueError(f"snapshot: {name} missing or not a flat {mine.dtype} shard of a ranked snapshot")
         for name, mine in self._full_state().items():
             mine.zero_()
             mine[: b.numel].copy_(extra[name][: b.numel])
+        for name, mine in self._own_state().items():  # the positions this rank owned then and owns now
+            src = extra[name]
+            old_lo = old_rank * src.numel()
+            lo, hi = max(b.shard_lo, old_lo), min(b.shard_lo + b.shard_size, old_lo + src.numel(), b.numel)
+            mine.zero_()
+            if lo < hi:
+                mine[lo - b.shard_lo : hi - b.shard_lo].copy_(src[lo - old_lo : hi - old_lo])
         self._step = int(snap["step"])
         b.write_params(self._flat)
         self._master.copy_(b.own_slice(self._flat))

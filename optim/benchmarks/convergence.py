@@ -54,6 +54,7 @@ METHODS = (
     "scape",
     "local",
     "local-overlap",
+    "local-lean",
     "local-bf16",
     "local-int8",
     "local-int4",
@@ -75,9 +76,10 @@ METHODS = (
 (``local``: staggered window of changes in the codes of :func:`optim.local.auto_wire_bits`,
 ``window_order="auto"``, ``normalizer="auto"``, ``average_moment="auto"``); the defaults with each averaging
 landing a step late, its exchange beside the next step's compute (``local-overlap``); the defaults with the
-first moments averaged at every density or at none (``local-moment``, ``local-nomoment``: the defaults before
-``average_moment``); the rest without them: the defaults with the debiased or the measured normalizer at every
-density (``local-debiased``, ``local-measured``); with the debiased normalizer and in the window's own order
+normalizer's second-moment EMA in bfloat16 (``local-lean``); the defaults with the first moments averaged at
+every density or at none (``local-moment``, ``local-nomoment``: the defaults before ``average_moment``); the
+rest without them: the defaults with the debiased or the measured normalizer at every density
+(``local-debiased``, ``local-measured``); with the debiased normalizer and in the window's own order
 (contiguous) unless the name says otherwise: with ``B``-bit codes at every density (``local-intB``), with
 bfloat16 changes (``local-bf16``, the defaults before the codes), either order at every density
 (``local-contiguous``, ``local-spread``); bfloat16 changes with plain per-rank AdamS (``local-plain``), the
@@ -99,6 +101,13 @@ _METHOD_OVERRIDES: dict[str, dict[str, Any]] = {
         "local_wire": "auto",
         "local_normalizer": "auto",
         "local_overlap": True,
+    },
+    "local-lean": {
+        "optimizer": "local-adams",
+        "local_schedule": "staggered",
+        "local_wire": "auto",
+        "local_normalizer": "auto",
+        "local_normalizer_dtype": "bfloat16",
     },
     "local-bf16": {
         "optimizer": "local-adams",
@@ -186,7 +195,7 @@ _METHOD_OVERRIDES: dict[str, dict[str, Any]] = {
 
 
 for _name, _ov in _METHOD_OVERRIDES.items():  # the variants measured before average_moment: as they ran
-    if _ov["optimizer"] == "local-adams" and _name not in ("local", "local-overlap", "local-moment"):
+    if _ov["optimizer"] == "local-adams" and _name not in ("local", "local-overlap", "local-lean", "local-moment"):
         _ov.setdefault("local_moment", "off")
 
 

@@ -163,8 +163,14 @@ def _batch(config: OptimizerBenchConfig, step: int, rank: int) -> tuple[torch.Te
 
 
 def _state_bytes(opt: Any) -> dict[str, int]:
-    """Bytes of this rank's optimizer state, by part (master shard, each state tensor, residual)."""
-    parts = {"master": opt.master_shard.numel() * opt.master_shard.element_size()}
+    """Bytes of this rank's optimizer state, by part (master shard, each state tensor, residual).
+
+    The master shard counts only where it is memory of its own: a master kept in the parameters
+    themselves (SCAPE, LocalAdamS with fp32 parameters) is the model's memory, not the optimizer's.
+    """
+    master = opt.master_shard
+    in_params = any(master.untyped_storage().data_ptr() == p.untyped_storage().data_ptr() for p in opt.bucket.params)
+    parts = {} if in_params else {"master": master.numel() * master.element_size()}
     for name, s in opt.shard_state.items():
         parts[name] = s.numel() * s.element_size()
     residual = getattr(opt, "residual", None)

@@ -99,6 +99,12 @@ def add_scape_options(p: argparse.ArgumentParser, d: TrainConfig) -> None:
         "cover at least half of the shard per step",
     )
     p.add_argument(
+        "--local-normalizer-dtype",
+        choices=("float32", "bfloat16"),
+        default=d.local_normalizer_dtype,
+        help="LocalAdamS: dtype of the debiased normalizer's second-moment EMA (bfloat16: half its bytes)",
+    )
+    p.add_argument(
         "--local-overlap",
         action="store_true",
         help="LocalAdamS: each averaging (in codes) runs beside the next forward and backward and lands one step late",
@@ -143,6 +149,7 @@ def scape_settings(args: argparse.Namespace) -> dict[str, Any]:
         "local_window_order": args.local_window_order,
         "local_moment": args.local_moment,
         "local_overlap": args.local_overlap,
+        "local_normalizer_dtype": args.local_normalizer_dtype,
         "mask_delay": args.mask_delay,
         "unselected": args.unselected,
         "error_feedback": args.error_feedback,

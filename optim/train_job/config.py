@@ -91,6 +91,7 @@ class TrainConfig:
     local_normalizer: str = "auto"  # LocalAdamS: auto | debiased | measured | local (see optim.LocalAdamS).
     local_window_order: str = "auto"  # LocalAdamS: auto | contiguous | spread staggered window.
     local_moment: str = "auto"  # LocalAdamS: auto | on | off: the window carries the first moment's changes too.
+    local_normalizer_dtype: str = "float32"  # LocalAdamS: float32 | bfloat16 second-moment EMA of the normalizer.
     local_overlap: bool = False  # LocalAdamS: each averaging lands a step late, beside the next forward/backward.
     unselected: str = "decay_m"  # SCAPE: policy of unselected coordinates (freeze | decay_m).
     error_feedback: bool = False  # SCAPE: keep the unsent gradient as a local residual.
@@ -142,6 +143,8 @@ class TrainConfig:
             raise ValueError(f"local_normalizer must be one of {NORMALIZERS}, got {self.local_normalizer!r}")
         if self.local_window_order not in WINDOW_ORDERS:
             raise ValueError(f"local_window_order must be one of {WINDOW_ORDERS}, got {self.local_window_order!r}")
+        if self.local_normalizer_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"local_normalizer_dtype must be float32 or bfloat16, got {self.local_normalizer_dtype!r}")
         if not isinstance(self.local_overlap, bool):
             raise ValueError(f"local_overlap must be True or False, got {self.local_overlap!r}")
         if self.local_moment not in LOCAL_MOMENTS:
@@ -217,6 +220,7 @@ class TrainConfig:
                 "window_order": self.local_window_order,
                 "average_moment": LOCAL_MOMENTS[self.local_moment],
                 "overlap": self.local_overlap,
+                "normalizer_dtype": self.local_normalizer_dtype,
             }
         if self.optimizer == "topk-adams":
             return {"density": self.density, "warmup_steps": self.sparse_warmup_steps}
@@ -264,8 +268,9 @@ def build_optimizer(config: TrainConfig, model: torch.nn.Module) -> torch.optim.
         "max_grad_norm": config.grad_clip,
     }
     sparse = config.sparse_kwargs()
-    if "wire_dtype" in sparse:
-        sparse["wire_dtype"] = getattr(torch, sparse["wire_dtype"])
+    for key in ("wire_dtype", "normalizer_dtype"):
+        if key in sparse:
+            sparse[key] = getattr(torch, sparse[key])
     opt: torch.optim.Optimizer = _CLASSES[config.optimizer](params, **kw, **sparse)
     return opt
 

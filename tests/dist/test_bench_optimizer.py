@@ -45,13 +45,16 @@ def test_optimizer_bench_structure_and_sanity() -> None:
 
     n = GPT(TINY.model_config()).num_parameters()
     shard = -(-n // 2)
-    n_state = {"adamw": 3, "adams": 2, "scape@0.1": 2, "scape@0.01": 2, "scape@0.1/inline": 2, "scape@0.01/inline": 2}
+    # SCAPE keeps its master shard in the parameters themselves: not memory of its own
+    n_state = {"adamw": 3, "adams": 2, "scape@0.1": 1, "scape@0.01": 1, "scape@0.1/inline": 1, "scape@0.01/inline": 1}
     for name in SHARDED:
         r = rows[name]
         assert r["num_parameters"] == n and r["param_bytes"] == 4 * n and r["shard_size"] == shard
-        # Every rank holds exactly its shard of the master weights and of each state tensor.
+        # Every rank holds exactly its shard of the master weights (dense) and of each state tensor.
         assert r["state_bytes_per_rank"] == [n_state[name] * 4 * shard] * 2
-        parts = {"master", "exp_avg"} | ({"exp_avg_sq"} if name == "adamw" else set())
+        parts = (
+            {"exp_avg"} | ({"exp_avg_sq"} if name == "adamw" else set()) | ({"master"} if "@" not in name else set())
+        )
         assert r["state_bytes_by_part"] == {p: 4 * shard for p in parts}
         assert r["state_to_full_master"] == pytest.approx(n_state[name] * shard / n)
         assert r["step_ms"] > 0 and r["opt_step_ms"] > 0 and r["opt_step_ms"] <= r["step_ms"]
@@ -77,21 +80,21 @@ def test_optimizer_bench_structure_and_sanity() -> None:
     for d in ("0.1", "0.01"):  # where the mask piece is built moves no byte
         assert rows[f"scape@{d}/inline"]["wire_bytes_per_step_by_op"] == rows[f"scape@{d}"]["wire_bytes_per_step_by_op"]
 
-    # LocalAdamS: master shard plus full-size m, normalizer statistic, anchor and code residual, and at 0.1
-    # (average_moment) the first moment's anchor and code residual; its codes move fewer bytes at 0.01.
+    # LocalAdamS: full-size m, normalizer statistic and anchor, the owner's code residual of its shard, and at
+    # 0.1 (average_moment) the first moment's anchor and its owner's residual; the master shard is its replica's
+    # slice, the parameters' memory. Its codes move fewer bytes at 0.01.
     padded = 2 * shard
     for d in ("0.1", "0.01"):
         r = rows[f"local@{d}"]
-        moment = {"exp_avg_anchor": 4 * padded, "exp_avg_wire_residual": 4 * padded} if d == "0.1" else {}
+        moment = {"exp_avg_anchor": 4 * padded, "exp_avg_wire_residual": 4 * shard} if d == "0.1" else {}
         assert r["state_bytes_by_part"] == {
-            "master": 4 * shard,
             "exp_avg": 4 * padded,
             "exp_avg_sq": 4 * padded,
             "anchor": 4 * padded,
-            "wire_residual": 4 * padded,
+            "wire_residual": 4 * shard,
             **moment,
         }
-        assert r["state_bytes_per_rank"] == [4 * shard + (16 + 4 * len(moment)) * padded] * 2
+        assert r["state_bytes_per_rank"] == [sum(r["state_bytes_by_part"].values())] * 2
         assert {"quantized_all_reduce"} <= set(r["wire_bytes_per_step_by_op"])
         assert 0 < r["wire_bytes_per_step"] < rows["adams"]["wire_bytes_per_step"]
         assert r["step_ms"] > 0 and r["opt_step_ms"] <= r["step_ms"]

@@ -51,6 +51,8 @@ def _make(kind: str, params: object, density: float) -> torch.optim.Optimizer:
         return LocalAdamS(params, **kw)  # codes of the changes, normalizer="auto"
     if kind in ("debiased", "measured"):
         return LocalAdamS(params, normalizer=kind, **kw)
+    if kind == "lean":  # the defaults with the normalizer's second-moment EMA in bfloat16
+        return LocalAdamS(params, normalizer_dtype=torch.bfloat16, **kw)
     if kind == "overlap":
         return LocalAdamS(params, overlap=True, **kw)  # the defaults, each average landing a step late
     if kind.startswith("overlap-"):  # 8-bit codes and plain per-rank AdamS, as the references below
@@ -359,13 +361,59 @@ def _rank_resume(rank: int, ws: int, kind: str, via: str) -> dict:
 
 @pytest.mark.parametrize(
     "kind",
-    ["staggered", "staggered-bf16", "staggered-int4", "default", "debiased", "measured", "topk", "overlap"],
+    ["staggered", "staggered-bf16", "staggered-int4", "default", "debiased", "measured", "topk", "overlap", "lean"],
 )
 @pytest.mark.parametrize("via", ["snapshot", "state_dict"])
 def test_resume_is_bitwise(kind: str, via: str) -> None:
     res = run_ranks(_rank_resume, 2, kind, via, timeout=120, op_timeout=60)
     for r in res:
         assert r["cont"] == r["again"]
+
+
+def _rank_snapshot(rank: int, ws: int) -> bytes:
+    from optim.snapshot import encode_tree
+
+    model = _model()
+    opt = _make("staggered-int4", model.parameters(), 0.25)
+    for t in range(5):
+        opt.zero_grad()
+        _loss(model, rank, t).backward()
+        opt.step()
+    import io
+
+    buf = io.BytesIO()
+    torch.save(encode_tree(opt.snapshot_state()), buf)
+    return buf.getvalue()
+
+
+def _rank_restore_replica(rank: int, ws: int, saved: list[bytes]) -> dict:
+    import io
+
+    from optim.snapshot import decode_tree
+
+    model = _model(seed=5)
+    opt = _make("staggered-int4", model.parameters(), 0.25)
+    snap = decode_tree(torch.load(io.BytesIO(saved[1]), weights_only=False))  # the old rank 1's replica
+    opt.restore_replica(snap)
+    return {
+        "residual": opt.replica_state["wire_residual"].tolist(),
+        "saved": snap["extra"]["wire_residual"].tolist(),
+        "params": _flat(model).tolist(),
+        "saved_params": snap["extra"]["params"][: opt.bucket.numel].tolist(),
+        "shard_lo": opt.bucket.shard_lo,
+    }
+
+
+def test_restore_replica_in_another_layout_keeps_the_owner_residual_where_the_rank_owned_it_then_and_now() -> None:
+    """A 2-rank snapshot into 1 rank: the old rank 1's residual lands on the positions it owned, zero elsewhere."""
+    saved = run_ranks(_rank_snapshot, 2, timeout=120, op_timeout=60)
+    (got,) = run_ranks(_rank_restore_replica, 1, saved, timeout=120, op_timeout=60)
+    assert got["params"] == got["saved_params"]
+    old_shard = len(got["saved"])
+    assert any(v != 0.0 for v in got["saved"])
+    numel = len(got["params"])
+    expected = [0.0] * old_shard + got["saved"][: numel - old_shard]
+    assert got["residual"][:numel] == expected
 
 
 def _rank_auto_normalizer(rank: int, ws: int) -> list[tuple[str, bool]]:
@@ -401,6 +449,7 @@ def _rank_bad(rank: int, ws: int) -> list[str]:
         lambda: LocalAdamS(m.parameters(), average_moment=True, wire_bits=None),
         lambda: TopKAdamS(m.parameters(), density=True),
         lambda: LocalAdamS(m.parameters(), overlap="yes"),
+        lambda: LocalAdamS(m.parameters(), normalizer_dtype=torch.float16),
         lambda: LocalAdamS(m.parameters(), overlap=True, wire_bits=None),
         lambda: LocalAdamS(m.parameters(), density=0.1 if rank == 0 else 0.2),  # differs between ranks
     ):
