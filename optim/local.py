@@ -135,40 +135,88 @@ class _Slots:
 
     Staggered window ``j`` of ``k`` positions per shard in ``order``
     (:func:`window_runs`, :func:`spread_window`), or every position
-    (``k = shard_size``, the periodic schedule). :meth:`read` hands back the
-    rows it copied (spread order) so that a :meth:`write` into a buffer that
-    did not change in between need not copy them again.
+    (``k = shard_size``, the periodic schedule). Values at the positions are
+    ordered shard by shard. The contiguous order works on slices in place;
+    the spread order copies whole rows (:class:`optim.window_order.SpreadWindow`)
+    and hands them back so that a later write into a buffer that did not change
+    in between need not copy them again.
     """
 
+    Rows = list[tuple[Tensor, Tensor]] | None
+
     def __init__(self, j: int, k: int, shard_size: int, world_size: int, order: str) -> None:
-        self.shard_size, self.world_size = shard_size, world_size
+        self.shard_size = shard_size
         self.runs = window_runs(j, k, shard_size)
         self.spread = spread_window(j, k, shard_size) if order == "spread" else None
 
     def _shards(self, x: Tensor) -> list[Tensor]:
-        return list(x.view(-1, self.shard_size)) if x.numel() > self.shard_size else [x]
+        return list(x.view(-1, self.shard_size))
 
-    def read(self, x: Tensor) -> tuple[Tensor, list[tuple[Tensor, Tensor]] | None]:
-        """The positions' values of each shard of ``x`` (or of one shard-sized ``x``), shard by shard (new tensor)."""
+    def _slices(self, x: Tensor, values: Tensor) -> Iterator[tuple[Tensor, Tensor]]:
+        """``(x's slice, the values' slice)`` of every run of every shard of ``x`` (contiguous order)."""
+        at = 0
+        for shard in self._shards(x):
+            for a, z in self.runs:
+                yield shard[a:z], values[at : at + z - a]
+                at += z - a
+
+    def read(self, x: Tensor) -> tuple[Tensor, Rows]:
+        """The positions' values of each shard of ``x`` (or of one shard-sized ``x``), a new tensor, and the rows."""
         w = self.spread
         if w is None:
             return torch.cat([s[a:z] for s in self._shards(x) for a, z in self.runs]), None
         rows = [w.take(s) for s in self._shards(x)]
         return torch.cat([w.values(*r) for r in rows]), rows
 
-    def write(self, x: Tensor, values: Tensor, rows: list[tuple[Tensor, Tensor]] | None = None) -> None:
-        """Set the positions of ``x`` to ``values`` (as :meth:`read` orders them); ``rows``: :meth:`read`'s of ``x``."""
-        shards, w = self._shards(x), self.spread
-        parts = values.split(values.numel() // len(shards))
+    def sub_(self, values: Tensor, x: Tensor) -> Rows:
+        """``values -= x`` at the positions, in place; returns the rows of ``x`` it copied (spread order)."""
+        if self.spread is None:
+            for xs, vs in self._slices(x, values):
+                vs.sub_(xs)
+            return None
+        taken, rows = self.read(x)
+        values.sub_(taken)
+        return rows
+
+    def write(self, x: Tensor, values: Tensor, rows: Rows = None) -> None:
+        """Set the positions of ``x`` to ``values``; ``rows``: those :meth:`read` copied of ``x`` unchanged since."""
+        w = self.spread
         if w is None:
-            for s, v in zip(shards, parts, strict=True):
-                at = 0
-                for a, z in self.runs:
-                    s[a:z] = v[at : at + z - a]
-                    at += z - a
+            for xs, vs in self._slices(x, values):
+                xs.copy_(vs)
             return
-        for i, (s, v) in enumerate(zip(shards, parts, strict=True)):
+        shards = self._shards(x)
+        for i, (s, v) in enumerate(zip(shards, values.split(values.numel() // len(shards)), strict=True)):
             w.write(s, *(w.take(s) if rows is None else rows[i]), v)
+
+    def land(
+        self, buf: Tensor, anchor: Tensor, avg: Tensor, error: Tensor, late: bool, rows: Rows, buf_rows: Rows
+    ) -> None:
+        """``anchor += avg`` at the positions; then ``buf = anchor + error`` there, or ``late``: ``buf += error``.
+
+        ``rows``: the anchor's rows from :meth:`sub_`; ``buf_rows``: ``buf``'s from :meth:`read` (unchanged since
+        unless ``late``).
+        """
+        w = self.spread
+        if w is None:
+            for (an, av), (bf, er) in zip(self._slices(anchor, avg), self._slices(buf, error), strict=True):
+                an += av
+                if late:
+                    bf += er
+                else:
+                    torch.add(an, er, out=bf)
+            return
+        assert rows is not None
+        k = avg.numel() // len(rows)
+        for i, (an, bf) in enumerate(zip(self._shards(anchor), self._shards(buf), strict=True)):
+            averaged = w.values(*rows[i]).add_(avg[i * k : (i + 1) * k])
+            w.write(an, *rows[i], averaged)
+            if late:  # buf moved on since it was read: copy its rows again
+                bf_rows = w.take(bf)
+                w.write(bf, *bf_rows, w.values(*bf_rows).add_(error[i * k : (i + 1) * k]))
+            else:
+                assert buf_rows is not None
+                w.write(bf, *buf_rows[i], averaged.add_(error[i * k : (i + 1) * k]))
 
 
 @dataclass
@@ -178,12 +226,11 @@ class _Part:
     buf: Tensor
     anchor: Tensor
     residual: Tensor  # the owner's residual (this rank's shard)
-    last: Tensor  # the anchor's values at the positions
-    last_rows: list[tuple[Tensor, Tensor]] | None
-    buf_rows: list[tuple[Tensor, Tensor]] | None
     change: Tensor  # the buffer's change since the anchor: sent, then the average
+    anchor_rows: _Slots.Rows
+    buf_rows: _Slots.Rows
     mine: Tensor  # the owner's residual at this rank's positions
-    mine_rows: list[tuple[Tensor, Tensor]] | None
+    mine_rows: _Slots.Rows
     error: Tensor | None = None  # after the exchange: this rank's encoding error (late: plus avg - change sent)
 
 
@@ -551,10 +598,10 @@ class LocalAdamS(ReplicatedAdamS):
         slots, parts = self._slots(t), []
         for buf, anchor, residual in self._anchored():  # the parameters, then (average_moment) the first moment
             assert residual is not None
-            last, last_rows = slots.read(anchor)
             change, buf_rows = slots.read(buf)
+            anchor_rows = slots.sub_(change, anchor)
             mine, mine_rows = slots.read(residual)
-            parts.append(_Part(buf, anchor, residual, last, last_rows, buf_rows, change.sub_(last), mine, mine_rows))
+            parts.append(_Part(buf, anchor, residual, change, anchor_rows, buf_rows, mine, mine_rows))
         ex = _Exchange(t, slots, parts, late=self.overlap)
         if not self.overlap:
             _exchange(self._comm, self.quantizer, parts, late=False)
@@ -579,13 +626,7 @@ class LocalAdamS(ReplicatedAdamS):
         for part in ex.parts:
             assert part.error is not None
             ex.slots.write(part.residual, part.mine, part.mine_rows)
-            averaged = part.last.add_(part.change)
-            ex.slots.write(part.anchor, averaged, part.last_rows)
-            if ex.late:  # the buffer moved on since the change was read: add the average minus what was sent
-                now, _ = ex.slots.read(part.buf)
-                ex.slots.write(part.buf, now.add_(part.error))
-            else:
-                ex.slots.write(part.buf, averaged.add_(part.error), part.buf_rows)
+            ex.slots.land(part.buf, part.anchor, part.change, part.error, ex.late, part.anchor_rows, part.buf_rows)
 
     def _settle(self) -> None:
         """After a restore, send the averaging the last step started (the same bytes as the first time)."""
@@ -704,8 +745,8 @@ class LocalAdamS(ReplicatedAdamS):
             for part in ex.parts:
                 if part.buf is self._flat:
                     assert part.error is not None
-                    now, _ = ex.slots.read(part.buf)
-                    ex.slots.write(part.buf, now.add_(part.error))
+                    now, rows = ex.slots.read(part.buf)
+                    ex.slots.write(part.buf, now.add_(part.error), rows)
         self._average_replicas()
         try:
             yield

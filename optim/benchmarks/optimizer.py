@@ -13,6 +13,9 @@ initialisation on every rank) and, for each variant
   backward; same selections bit for bit), when ``inline_rows`` is on,
 * ``local@D``: :class:`optim.LocalAdamS` at each density ``D`` with its
   defaults (codes of ``auto_wire_bits(D)`` bits), when ``local_rows`` is on,
+  and ``local@D/overlap`` (``overlap=True``: each averaging beside the next
+  forward and backward) and ``local@D/lean`` (the normalizer's second-moment
+  EMA in bfloat16), when ``local_variant_rows`` is on as well,
 
 builds the optimizer exactly as the training job does
 (:func:`optim.train_job.train.build_optimizer`: weight decay on matrices, global-norm clip),
@@ -81,6 +84,7 @@ class OptimizerBenchConfig:
     densities: tuple[float, ...] = (0.1, 0.01)  # SCAPE densities.
     inline_rows: bool = True  # Also time SCAPE with its mask piece built inside opt.step() (the old way).
     local_rows: bool = True  # Also time LocalAdamS (its defaults) at each density.
+    local_variant_rows: bool = True  # And LocalAdamS with overlap=True, and with a bfloat16 normalizer EMA.
     scape_warmup_steps: int = 1  # SCAPE: dense steps before sparsity starts.
     mask_delay: int = 1  # SCAPE: the mask made after step t is used at step t + 1 + mask_delay.
     lr: float = 1e-3  # Constant learning rate of every optimizer.
@@ -117,11 +121,16 @@ class OptimizerBenchConfig:
         return self.train_config("adams").model_config()
 
     def train_config(
-        self, optimizer: str, density: float = 0.01, world_size: int | None = None, *, inline: bool = False
+        self, optimizer: str, density: float = 0.01, world_size: int | None = None, *, variant: str = ""
     ) -> TrainConfig:
-        """The :class:`TrainConfig` whose :func:`~optim.train_job.train.build_optimizer` builds one variant."""
+        """The :class:`TrainConfig` whose :func:`~optim.train_job.train.build_optimizer` builds one variant.
+
+        ``variant``: ``""``, ``"inline"`` (SCAPE), ``"overlap"`` or ``"lean"`` (LocalAdamS).
+        """
         return TrainConfig(
-            background_proposal=not inline,
+            background_proposal=variant != "inline",
+            local_overlap=variant == "overlap",
+            local_normalizer_dtype="bfloat16" if variant == "lean" else "float32",
             optimizer=optimizer,
             nproc=world_size or self.nproc,
             lr=self.lr,
@@ -152,7 +161,10 @@ def bench_variants(config: OptimizerBenchConfig) -> list[tuple[str, str, float]]
         if config.inline_rows:
             out.append((f"scape@{d:g}/inline", "scape", float(d)))
     if config.local_rows:
-        out.extend((f"local@{d:g}", "local-adams", float(d)) for d in config.densities)
+        for d in config.densities:
+            out.append((f"local@{d:g}", "local-adams", float(d)))
+            if config.local_variant_rows:
+                out += [(f"local@{d:g}/{v}", "local-adams", float(d)) for v in ("overlap", "lean")]
     return out
 
 
@@ -182,7 +194,7 @@ def _state_bytes(opt: Any) -> dict[str, int]:
 
 
 def _run_variant(
-    config: OptimizerBenchConfig, rank: int, world_size: int, optimizer: str, density: float, inline: bool
+    config: OptimizerBenchConfig, rank: int, world_size: int, optimizer: str, density: float, variant: str
 ) -> dict[str, Any]:
     """Time one optimizer on this rank; return rank-local medians, bytes and state sizes."""
     torch.manual_seed(config.seed)
@@ -191,7 +203,7 @@ def _run_variant(
     comm = dist.get_communicator()
     stats = comm.stats
     with stats.scope("init"):
-        opt = build_optimizer(config.train_config(optimizer, density, world_size, inline=inline), model)
+        opt = build_optimizer(config.train_config(optimizer, density, world_size, variant=variant), model)
     scape = opt if isinstance(opt, SCAPE) else None
     is_scape = scape is not None
     step_s: list[float] = []
@@ -220,8 +232,9 @@ def _run_variant(
                     sparse_flags.append(scape.last_mask is not None)
         ops = op_delta(ops0, stats.as_dict())
     finally:
-        if scape is not None:
-            scape.close()  # finish the mask gathers in flight
+        close = getattr(opt, "close", None)
+        if close is not None:
+            close()  # finish the mask gathers or the averaging in flight (the next variant uses the same group)
     if is_scape and not all(sparse_flags):
         raise RuntimeError(
             f"scape@{density:g}: {sparse_flags.count(False)} of {len(sparse_flags)} timed steps were dense; "
@@ -269,7 +282,7 @@ def optimizer_bench_worker(rank: int, world_size: int, config: OptimizerBenchCon
     results = []
     for name, optimizer, density in bench_variants(config):
         t0 = time.perf_counter()
-        r = _run_variant(config, rank, world_size, optimizer, density, name.endswith("/inline"))
+        r = _run_variant(config, rank, world_size, optimizer, density, name.partition("/")[2])
         results.append({"name": name, "optimizer": optimizer, "density": density, **r})
         logger.info(
             "rank %d: %s done in %.1f s (local median step %.1f ms)",

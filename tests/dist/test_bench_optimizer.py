@@ -23,7 +23,11 @@ NAMES = [
     "scape@0.01",
     "scape@0.01/inline",
     "local@0.1",
+    "local@0.1/overlap",
+    "local@0.1/lean",
     "local@0.01",
+    "local@0.01/overlap",
+    "local@0.01/lean",
 ]
 SHARDED = NAMES[:6]
 
@@ -99,12 +103,18 @@ def test_optimizer_bench_structure_and_sanity() -> None:
         assert 0 < r["wire_bytes_per_step"] < rows["adams"]["wire_bytes_per_step"]
         assert r["step_ms"] > 0 and r["opt_step_ms"] <= r["step_ms"]
     assert rows["local@0.01"]["wire_bytes_per_step"] < rows["local@0.1"]["wire_bytes_per_step"]
+    for d in ("0.1", "0.01"):
+        # overlap: the same state and the same bytes; lean: the normalizer's EMA in bfloat16, half its bytes
+        plain, overlap, lean = (rows[f"local@{d}{v}"] for v in ("", "/overlap", "/lean"))
+        assert overlap["state_bytes_by_part"] == plain["state_bytes_by_part"]
+        assert overlap["wire_bytes_per_step_by_op"] == plain["wire_bytes_per_step_by_op"]
+        assert lean["state_bytes_by_part"] == {**plain["state_bytes_by_part"], "exp_avg_sq": 2 * padded}
 
     assert rows["adams"]["speedup"] == pytest.approx(1.0)
     for r in rows.values():
         assert r["speedup"] == pytest.approx(rows["adams"]["step_ms"] / r["step_ms"])
     table = format_optimizer_table(bench).splitlines()
-    assert len(table) == 4 + len(NAMES) and table[-1].split()[0] == "local@0.01"
+    assert len(table) == 4 + len(NAMES) and table[-1].split()[0] == "local@0.01/lean"
     assert OptimizerBenchConfig(inline_rows=False).densities and [
         n for n, _, _ in bench_variants(OptimizerBenchConfig(inline_rows=False, local_rows=False))
     ] == ["adamw", "adams", "scape@0.1", "scape@0.01"]
