@@ -413,10 +413,14 @@ def format_optimizer_table(bench: dict[str, Any]) -> str:
         f"context {c['context']}, batch {c['batch']}/rank; {c['warmup']} warm-up + {c['steps']} timed steps; "
         f"SCAPE warm-up {c['scape_warmup_steps']}, mask delay {c['mask_delay']} (every timed SCAPE step sparse)",
         "# time = median over timed steps, max over ranks; wire = bytes rank 0 sent per timed step; "
-        "state = master shard + m (+ v) per rank, max over ranks; speedup = ShardedAdamS time / row time",
+        "state = optimizer memory per rank beside the parameters (master shard where it is a copy, m (+ v), "
+        "residuals), max over ranks, and its ratio to one fp32 copy of the model; "
+        "speedup = ShardedAdamS time / row time",
         "# bound: opt/fwdbwd = opt.step time / the same row's forward + backward (what a step that hides "
         "under compute is measured against); /inline = SCAPE with its next mask piece built inside opt.step(); "
-        "local = LocalAdamS with its defaults (state: full-size m, normalizer, anchor, code residual)",
+        "local = LocalAdamS with its defaults (state: full-size m, normalizer and anchor, the code residual of its "
+        "shard; at 0.1 the first moment's anchor and residual too), /overlap with overlap=True, /lean with the "
+        "normalizer in bfloat16",
         head,
     ]
     for r in bench["rows"]:
@@ -444,6 +448,7 @@ def _cmd_optimizer(args: argparse.Namespace) -> int:
             densities=args.densities,
             inline_rows=args.inline_rows,
             local_rows=args.local_rows,
+            local_variant_rows=args.local_variant_rows,
             scape_warmup_steps=args.scape_warmup_steps,
             mask_delay=args.mask_delay,
             seed=args.seed,
@@ -498,6 +503,12 @@ def _add_optimizer_parser(inner: Any) -> None:
         action=argparse.BooleanOptionalAction,
         default=d.local_rows,
         help="also time LocalAdamS (its defaults) at each density",
+    )
+    p.add_argument(
+        "--local-variant-rows",
+        action=argparse.BooleanOptionalAction,
+        default=d.local_variant_rows,
+        help="with --local-rows, also time LocalAdamS with overlap=True and with a bfloat16 normalizer EMA",
     )
     p.add_argument("--scape-warmup-steps", type=int, default=d.scape_warmup_steps, help="SCAPE: dense steps first")
     p.add_argument("--mask-delay", type=int, default=d.mask_delay, help="SCAPE: mask delay D")
