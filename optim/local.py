@@ -628,6 +628,15 @@ class LocalAdamS(ReplicatedAdamS):
             ex.slots.write(part.residual, part.mine, part.mine_rows)
             ex.slots.land(part.buf, part.anchor, part.change, part.error, ex.late, part.anchor_rows, part.buf_rows)
 
+    def wait_in_flight(self) -> None:
+        """Wait until the averaging in flight (``overlap``) has moved its bytes; it still lands at the next step.
+
+        For exact byte counts over a window of steps; a no-op without ``overlap``.
+        """
+        ex = self._in_flight
+        if ex is not None and ex.done is not None:
+            ex.done.wait()
+
     def _settle(self) -> None:
         """After a restore, send the averaging the last step started (the same bytes as the first time)."""
         if not self._repost:

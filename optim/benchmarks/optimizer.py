@@ -205,6 +205,7 @@ def _run_variant(
     with stats.scope("init"):
         opt = build_optimizer(config.train_config(optimizer, density, world_size, variant=variant), model)
     scape = opt if isinstance(opt, SCAPE) else None
+    in_flight = getattr(opt, "wait_in_flight", None)  # LocalAdamS with overlap: bytes of a step move after it
     is_scape = scape is not None
     step_s: list[float] = []
     opt_s: list[float] = []
@@ -213,6 +214,8 @@ def _run_variant(
         for step in range(config.warmup + config.steps):
             timed = step >= config.warmup
             if step == config.warmup:
+                if in_flight is not None:
+                    in_flight()  # the warm-up's last averaging has moved its bytes before the count starts
                 with stats.scope("bench_barrier"):
                     dist.barrier()
                 ops0 = stats.as_dict()
@@ -230,6 +233,8 @@ def _run_variant(
                 opt_s.append(t2 - t1)
                 if scape is not None:
                     sparse_flags.append(scape.last_mask is not None)
+        if in_flight is not None:
+            in_flight()  # and the last timed step's, before it ends
         ops = op_delta(ops0, stats.as_dict())
     finally:
         close = getattr(opt, "close", None)
