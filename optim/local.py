@@ -79,7 +79,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -87,13 +86,13 @@ from torch import Tensor
 
 from bindings import ReduceOp
 from optim.adams import debiased_adams_step_
+from optim.averaging import CodeAverager, WindowSlots
 from optim.noise import NoiseScale, check_noise_state, effective_world_size
 from optim.replicated import ReplicatedAdamS, check_density
-from optim.window_order import WINDOW_ORDERS, spread_window, window_positions, window_runs
+from optim.window_order import WINDOW_ORDERS, window_positions
 from sparsecomm.collectives import sparse_all_reduce
 from sparsecomm.mask import ShardedMask, k_for
-from sparsecomm.quantized import QUANT_BITS, Quantizer, quantized_all_reduce
-from sparsecomm.worker import SerialWorker
+from sparsecomm.quantized import QUANT_BITS, Quantizer
 
 __all__ = [
     "LOCAL_SCHEDULES",
@@ -128,130 +127,6 @@ def auto_wire_bits(density: float, buffers: int = 1) -> int:
         if 32.0 * density / (buffers * Quantizer(bits=bits).bits_per_value()) >= 0.5:
             return bits
     return min(QUANT_BITS)
-
-
-class _Slots:
-    """Where one averaging's positions sit in a flat buffer of ``world_size`` shards, and in one shard.
-
-    Staggered window ``j`` of ``k`` positions per shard in ``order``
-    (:func:`window_runs`, :func:`spread_window`), or every position
-    (``k = shard_size``, the periodic schedule). Values at the positions are
-    ordered shard by shard. The contiguous order works on slices in place;
-    the spread order copies whole rows (:class:`optim.window_order.SpreadWindow`)
-    and hands them back so that a later write into a buffer that did not change
-    in between need not copy them again.
-    """
-
-    Rows = list[tuple[Tensor, Tensor]] | None
-
-    def __init__(self, j: int, k: int, shard_size: int, world_size: int, order: str) -> None:
-        self.shard_size = shard_size
-        self.runs = window_runs(j, k, shard_size)
-        self.spread = spread_window(j, k, shard_size) if order == "spread" else None
-
-    def _shards(self, x: Tensor) -> list[Tensor]:
-        return list(x.view(-1, self.shard_size))
-
-    def _slices(self, x: Tensor, values: Tensor) -> Iterator[tuple[Tensor, Tensor]]:
-        """``(x's slice, the values' slice)`` of every run of every shard of ``x`` (contiguous order)."""
-        at = 0
-        for shard in self._shards(x):
-            for a, z in self.runs:
-                yield shard[a:z], values[at : at + z - a]
-                at += z - a
-
-    def read(self, x: Tensor) -> tuple[Tensor, Rows]:
-        """The positions' values of each shard of ``x`` (or of one shard-sized ``x``), a new tensor, and the rows."""
-        w = self.spread
-        if w is None:
-            return torch.cat([s[a:z] for s in self._shards(x) for a, z in self.runs]), None
-        rows = [w.take(s) for s in self._shards(x)]
-        return torch.cat([w.values(*r) for r in rows]), rows
-
-    def sub_(self, values: Tensor, x: Tensor) -> Rows:
-        """``values -= x`` at the positions, in place; returns the rows of ``x`` it copied (spread order)."""
-        if self.spread is None:
-            for xs, vs in self._slices(x, values):
-                vs.sub_(xs)
-            return None
-        taken, rows = self.read(x)
-        values.sub_(taken)
-        return rows
-
-    def write(self, x: Tensor, values: Tensor, rows: Rows = None) -> None:
-        """Set the positions of ``x`` to ``values``; ``rows``: those :meth:`read` copied of ``x`` unchanged since."""
-        w = self.spread
-        if w is None:
-            for xs, vs in self._slices(x, values):
-                xs.copy_(vs)
-            return
-        shards = self._shards(x)
-        for i, (s, v) in enumerate(zip(shards, values.split(values.numel() // len(shards)), strict=True)):
-            w.write(s, *(w.take(s) if rows is None else rows[i]), v)
-
-    def land(
-        self, buf: Tensor, anchor: Tensor, avg: Tensor, error: Tensor, late: bool, rows: Rows, buf_rows: Rows
-    ) -> None:
-        """``anchor += avg`` at the positions; then ``buf = anchor + error`` there, or ``late``: ``buf += error``.
-
-        ``rows``: the anchor's rows from :meth:`sub_`; ``buf_rows``: ``buf``'s from :meth:`read` (unchanged since
-        unless ``late``).
-        """
-        w = self.spread
-        if w is None:
-            for (an, av), (bf, er) in zip(self._slices(anchor, avg), self._slices(buf, error), strict=True):
-                an += av
-                if late:
-                    bf += er
-                else:
-                    torch.add(an, er, out=bf)
-            return
-        assert rows is not None
-        k = avg.numel() // len(rows)
-        for i, (an, bf) in enumerate(zip(self._shards(anchor), self._shards(buf), strict=True)):
-            averaged = w.values(*rows[i]).add_(avg[i * k : (i + 1) * k])
-            w.write(an, *rows[i], averaged)
-            if late:  # buf moved on since it was read: copy its rows again
-                bf_rows = w.take(bf)
-                w.write(bf, *bf_rows, w.values(*bf_rows).add_(error[i * k : (i + 1) * k]))
-            else:
-                assert buf_rows is not None
-                w.write(bf, *buf_rows[i], averaged.add_(error[i * k : (i + 1) * k]))
-
-
-@dataclass
-class _Part:
-    """One buffer's share of an averaging in codes: what the exchange sends and what landing it needs."""
-
-    buf: Tensor
-    anchor: Tensor
-    residual: Tensor  # the owner's residual (this rank's shard)
-    change: Tensor  # the buffer's change since the anchor: sent, then the average
-    anchor_rows: _Slots.Rows
-    buf_rows: _Slots.Rows
-    mine: Tensor  # the owner's residual at this rank's positions
-    mine_rows: _Slots.Rows
-    error: Tensor | None = None  # after the exchange: this rank's encoding error (late: plus avg - change sent)
-
-
-@dataclass
-class _Exchange:
-    """An averaging in codes started after step ``step``: its parts and, with ``overlap``, the worker's future."""
-
-    step: int
-    slots: _Slots
-    parts: list[_Part]
-    late: bool
-    done: torch.futures.Future[None] | None = None
-
-
-def _exchange(comm: Any, quantizer: Quantizer, parts: list[_Part], late: bool) -> None:
-    """Average every part's change in codes (point to point only: may run on a worker thread)."""
-    for part in parts:
-        sent = part.change.clone() if late else None
-        part.error = quantized_all_reduce(comm, part.change, quantizer, residual=part.mine)
-        if sent is not None:  # lands a step late: add the average minus what this rank sent to its current values
-            part.error.add_(part.change).sub_(sent)
 
 
 class LocalAdamS(ReplicatedAdamS):
@@ -474,8 +349,7 @@ class LocalAdamS(ReplicatedAdamS):
                 self._delta = torch.zeros(b.padded_numel, dtype=wire_dtype, device=self._flat.device)
         self._moment_anchor = self._m.clone() if self.average_moment else None
         self._moment_residual = b.new_shard() if self.average_moment else None
-        self._in_flight: _Exchange | None = None
-        self._worker: SerialWorker[None] | None = None
+        self._codes = None if self.quantizer is None else CodeAverager(self._comm, self.quantizer, overlap=overlap)
         self._repost = False  # restored with the last step's averaging unsent: send it at the next step
 
     def _extra_moments(self) -> dict[str, Tensor]:
@@ -555,7 +429,8 @@ class LocalAdamS(ReplicatedAdamS):
             return  # one rank: nothing to average (and no bfloat16 rounding of its own changes)
         n, flat, anchor = self._bucket.numel, self._flat, self._anchor
         if self.quantizer is not None:
-            self._land()  # overlap: the averaging started after the last step
+            assert self._codes is not None
+            self._codes.land()  # overlap: the averaging started after the last step
             self._start(t)
             return
         if anchor is None or self._delta is None:
@@ -580,62 +455,25 @@ class LocalAdamS(ReplicatedAdamS):
         anchor.index_copy_(0, pos, averaged)
         flat.index_copy_(0, pos, averaged)
 
-    def _slots(self, t: int) -> _Slots:
+    def _slots(self, t: int) -> WindowSlots:
         b = self._bucket
         if self.schedule == "periodic":
-            return _Slots(0, b.shard_size, b.shard_size, b.world_size, "contiguous")
-        return _Slots(t - self.warmup_steps, self.k, b.shard_size, b.world_size, self.window_order)
+            return WindowSlots(0, b.shard_size, b.shard_size, b.world_size, "contiguous")
+        return WindowSlots(t - self.warmup_steps, self.k, b.shard_size, b.world_size, self.window_order)
 
     def _start(self, t: int) -> None:
-        """Average the changes since the anchors at the positions of step ``t`` in codes; with ``overlap``, start it.
-
-        Each rank sends its change at every position; the owner of a position
-        averages the ranks' changes and adds them to the anchor, which stays
-        the same on every rank. Each rank keeps what the encoding of its own
-        change dropped, and each owner what the encoding of the average dropped.
-        """
-        assert self.quantizer is not None
-        slots, parts = self._slots(t), []
-        for buf, anchor, residual in self._anchored():  # the parameters, then (average_moment) the first moment
-            assert residual is not None
-            change, buf_rows = slots.read(buf)
-            anchor_rows = slots.sub_(change, anchor)
-            mine, mine_rows = slots.read(residual)
-            parts.append(_Part(buf, anchor, residual, change, anchor_rows, buf_rows, mine, mine_rows))
-        ex = _Exchange(t, slots, parts, late=self.overlap)
-        if not self.overlap:
-            _exchange(self._comm, self.quantizer, parts, late=False)
-            self._land_parts(ex)
-            return
-        if self._worker is None:
-            self._worker = SerialWorker("sparsecomm-local-average")
-        comm, quantizer = self._comm, self.quantizer
-        ex.done = self._worker.submit(lambda: _exchange(comm, quantizer, parts, late=True))
-        self._in_flight = ex
-
-    def _land(self) -> None:
-        """Wait for the averaging in flight (``overlap``) and write it into the buffers, anchors and residuals."""
-        ex, self._in_flight = self._in_flight, None
-        if ex is None:
-            return
-        assert ex.done is not None
-        ex.done.wait()
-        self._land_parts(ex)
-
-    def _land_parts(self, ex: _Exchange) -> None:
-        for part in ex.parts:
-            assert part.error is not None
-            ex.slots.write(part.residual, part.mine, part.mine_rows)
-            ex.slots.land(part.buf, part.anchor, part.change, part.error, ex.late, part.anchor_rows, part.buf_rows)
+        """Average the changes since the anchors at the positions of step ``t`` in codes (:mod:`optim.averaging`)."""
+        assert self._codes is not None
+        anchored = [(buf, anchor, residual) for buf, anchor, residual in self._anchored() if residual is not None]
+        self._codes.start(t, self._slots(t), anchored)
 
     def wait_in_flight(self) -> None:
         """Wait until the averaging in flight (``overlap``) has moved its bytes; it still lands at the next step.
 
         For exact byte counts over a window of steps; a no-op without ``overlap``.
         """
-        ex = self._in_flight
-        if ex is not None and ex.done is not None:
-            ex.done.wait()
+        if self._codes is not None:
+            self._codes.wait()
 
     def _settle(self) -> None:
         """After a restore, send the averaging the last step started (the same bytes as the first time)."""
@@ -647,27 +485,21 @@ class LocalAdamS(ReplicatedAdamS):
             self._start(t)
 
     def _quiesce(self) -> None:
-        """Drop the averaging in flight unwaited (its thread only writes its own copies) before a restore."""
-        ex, self._in_flight = self._in_flight, None
-        if ex is not None and ex.done is not None and not ex.done.done() and self._worker is not None:
-            self._worker.retire()  # it may be blocked on a failed transport: a new thread serves what comes next
-            self._worker = None
+        """Drop the averaging in flight unwaited before a restore; the restored state sends it again."""
+        if self._codes is not None:
+            self._codes.drop()
         self._repost = self.overlap
 
     def abandon(self) -> None:
         """Drop the averaging in flight without waiting for it (its transport failed). Local."""
-        self._quiesce()
         self._repost = False
-        if self._worker is not None:
-            self._worker.retire()
-            self._worker = None
+        if self._codes is not None:
+            self._codes.abandon()
 
     def close(self) -> None:
         """Land the averaging still in flight and stop its thread (call before tearing the group down)."""
-        self._land()
-        if self._worker is not None:
-            self._worker.stop()
-            self._worker = None
+        if self._codes is not None:
+            self._codes.close()
 
     def _full_state(self) -> dict[str, Tensor]:
         out = {**super()._full_state(), **self._extra_moments()}
@@ -725,7 +557,8 @@ class LocalAdamS(ReplicatedAdamS):
         first moments are kept. With ``overlap``, the averaging in flight lands first.
         """
         self._settle()
-        self._land()
+        if self._codes is not None:
+            self._codes.land()
         self._average_replicas()
 
     def _average_replicas(self) -> None:
@@ -747,15 +580,8 @@ class LocalAdamS(ReplicatedAdamS):
         """
         self._settle()
         own = self._flat.clone()
-        ex = self._in_flight
-        if ex is not None:  # the replicas as they will be once it lands; anchors and residuals untouched
-            assert ex.done is not None
-            ex.done.wait()
-            for part in ex.parts:
-                if part.buf is self._flat:
-                    assert part.error is not None
-                    now, rows = ex.slots.read(part.buf)
-                    ex.slots.write(part.buf, now.add_(part.error), rows)
+        if self._codes is not None:  # the replicas as they will be once the averaging in flight lands
+            self._codes.landed_into(self._flat)
         self._average_replicas()
         try:
             yield
