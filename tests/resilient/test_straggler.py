@@ -51,7 +51,7 @@ def _bursts(events: Path, slot: int, stop: threading.Event, stopped_s: float, ru
 @pytest.mark.timeout(300)
 def test_a_straggler_is_replaced_by_the_spare_and_the_run_stays_exact(tmp_path: Path) -> None:
     config = TrainConfig(
-        steps=60, nproc=3, optimizer="adams", d_model=64, n_layers=1, batch=8, context=32, eval_interval=0,
+        steps=120, nproc=3, optimizer="adams", d_model=64, n_layers=1, batch=8, context=32, eval_interval=0,
         eval_batches=1, threads=1, job_timeout_s=240, out=str(tmp_path),
     )  # fmt: skip
     res = ResilienceConfig(spares=1, heartbeat_timeout_s=5.0)
