@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from optim.adams import AdamS, adams_step_, adams_step_foreach_, bias_correction_factor, step_bound
 from optim.local import LocalAdamS
+from optim.local_optimizer import LocalOptimizer
 from optim.scape import SCAPE
 from optim.sharded import ShardedAdamS, ShardedAdamW
 from optim.topk import TopKAdamS
@@ -11,6 +12,7 @@ from optim.topk import TopKAdamS
 __all__ = [
     "AdamS",
     "LocalAdamS",
+    "LocalOptimizer",
     "SCAPE",
     "ShardedAdamS",
     "ShardedAdamW",

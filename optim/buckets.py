@@ -279,6 +279,16 @@ class FlatBucket:
         for p, off in zip(self.params, self.offsets, strict=True):
             p.copy_(flat[off : off + p.numel()].view(p.shape))
 
+    def take_own(self, mine: Tensor, src: Tensor, old_rank: int) -> None:
+        """Set ``mine`` (this rank's shard) to ``src``, old rank ``old_rank``'s shard of another layout, where both
+        hold the same positions; zero elsewhere."""
+        old_lo = old_rank * src.numel()
+        lo = max(self.shard_lo, old_lo)
+        hi = min(self.shard_lo + self.shard_size, old_lo + src.numel(), self.numel)
+        mine.zero_()
+        if lo < hi:
+            mine[lo - self.shard_lo : hi - self.shard_lo].copy_(src[lo - old_lo : hi - old_lo])
+
     def own_slice(self, flat: Tensor) -> Tensor:
         """This rank's shard (``shard_size`` elements) of a padded flat buffer."""
         return flat[self.shard_lo : self.shard_lo + self.shard_size]

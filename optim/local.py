@@ -86,13 +86,11 @@ from torch import Tensor
 
 from bindings import ReduceOp
 from optim.adams import debiased_adams_step_
-from optim.averaging import CodeAverager, WindowSlots
+from optim.averaging import LOCAL_SCHEDULES, WIRE_DTYPES, Averaging, ReplicaAverager, auto_wire_bits
 from optim.noise import NoiseScale, check_noise_state, effective_world_size
-from optim.replicated import ReplicatedAdamS, check_density
-from optim.window_order import WINDOW_ORDERS, window_positions
-from sparsecomm.collectives import sparse_all_reduce
-from sparsecomm.mask import ShardedMask, k_for
-from sparsecomm.quantized import QUANT_BITS, Quantizer
+from optim.replicated import ReplicatedAdamS
+from optim.window_order import WINDOW_ORDERS
+from sparsecomm.mask import ShardedMask
 
 __all__ = [
     "LOCAL_SCHEDULES",
@@ -104,29 +102,8 @@ __all__ = [
     "auto_wire_bits",
 ]
 
-LOCAL_SCHEDULES = ("staggered", "periodic")
-WIRE_DTYPES = (torch.float32, torch.bfloat16)
 NORMALIZERS = ("auto", "debiased", "measured", "local")
 NORMALIZER_DTYPES = (torch.float32, torch.bfloat16)
-
-
-def auto_wire_bits(density: float, buffers: int = 1) -> int:
-    """LocalAdamS's code width at ``density``: the widest code whose window covers half of every shard per step.
-
-    The staggered window of ``b``-bit codes covers ``32 * density / (buffers * (b + 0.25))``
-    of the positions per step, where ``buffers`` is 2 when the window carries the
-    first moment's changes too (``average_moment``). Where no code reaches half of
-    them (density below 0.035 with one buffer), 1 bit, the code that covers the most. In the convergence
-    suite the replicas' drift between two averages of a position cost more
-    than the codes' coarseness until positions were averaged about every
-    other step (``benchmarks/README.md``).
-    """
-    if buffers not in (1, 2):
-        raise ValueError(f"Invalid buffers: {buffers!r} (must be 1 or 2)")
-    for bits in sorted(QUANT_BITS, reverse=True):
-        if 32.0 * density / (buffers * Quantizer(bits=bits).bits_per_value()) >= 0.5:
-            return bits
-    return min(QUANT_BITS)
 
 
 class LocalAdamS(ReplicatedAdamS):
@@ -255,64 +232,27 @@ class LocalAdamS(ReplicatedAdamS):
         overlap: bool = False,
         wd_min_ndim: int = 2,
     ) -> None:
-        if schedule not in LOCAL_SCHEDULES:
-            raise ValueError(f"Invalid schedule: {schedule!r} (must be one of {LOCAL_SCHEDULES})")
         if normalizer not in NORMALIZERS:
             raise ValueError(f"Invalid normalizer: {normalizer!r} (must be one of {NORMALIZERS})")
-        if window_order not in WINDOW_ORDERS:
-            raise ValueError(f"Invalid window_order: {window_order!r} (must be one of {WINDOW_ORDERS})")
         if normalizer_dtype not in NORMALIZER_DTYPES:
             raise ValueError(f"Invalid normalizer_dtype: {normalizer_dtype!r} (must be one of {NORMALIZER_DTYPES})")
-        if wire_dtype not in WIRE_DTYPES:
-            raise ValueError(f"Invalid wire_dtype: {wire_dtype!r} (must be one of {WIRE_DTYPES})")
-        if average_moment not in ("auto", True, False):
-            raise ValueError(f"Invalid average_moment: {average_moment!r} (must be 'auto', True or False)")
-        if not isinstance(overlap, bool):
-            raise ValueError(f"Invalid overlap: {overlap!r} (must be True or False)")
-        self.schedule = schedule
-        self.wire_dtype = wire_dtype
-        self.quantizer: Quantizer | None = None
-        """The encoding of the changes when ``wire_bits`` is set."""
-        scale = float(torch.finfo(torch.float32).bits // torch.finfo(wire_dtype).bits)
-        auto_bits = wire_bits == "auto"
-        if auto_bits:
-            wire_bits = None if wire_dtype == torch.float32 else auto_wire_bits(check_density(density))
-        if isinstance(wire_bits, str):
-            raise ValueError(f"Invalid wire_bits: {wire_bits!r} (must be 'auto', None or one of {QUANT_BITS})")
-        if wire_bits is not None:
-            if wire_dtype == torch.float32:
-                raise ValueError("wire_bits encodes the changes since the last average: use wire_dtype=torch.bfloat16")
-            scale = torch.finfo(torch.float32).bits / Quantizer(bits=wire_bits).bits_per_value()
-        # the window of the parameters' changes alone covers under half of each shard per step: the autos' switch
-        narrow = check_density(density) * scale < 0.5
-        if average_moment == "auto":
-            average_moment = wire_bits is not None and not narrow
-        if average_moment and wire_bits is None:
-            raise ValueError("average_moment sends the first moment's changes in codes: set wire_bits")
-        self.average_moment = bool(average_moment)
-        """Whether the window carries the first moment's changes beside the parameters' (``"auto"`` resolved)."""
-        buffers = 2 if self.average_moment else 1
-        if self.average_moment and auto_bits:
-            wire_bits = auto_wire_bits(density, buffers)
-        self.wire_bits = wire_bits
-        """The code width of the changes (``None``: ``wire_dtype`` values)."""
-        if overlap and wire_bits is None:
-            raise ValueError("overlap runs the averaging of the changes in codes beside the next step: set wire_bits")
-        self.overlap = overlap
-        """Whether each averaging lands one step late, its exchange running beside the next forward and backward."""
-        if wire_bits is not None:
-            self.quantizer = Quantizer(bits=wire_bits)
-            scale = torch.finfo(torch.float32).bits / (buffers * self.quantizer.bits_per_value())
-        self.wire_density = min(1.0, density * scale)
-        """Fraction of the positions averaged per step (staggered) at the wire's size per position."""
-        self.period = max(1, round(1.0 / self.wire_density))
-        """Steps between two dense averages (``periodic``)."""
-        if window_order == "auto":
-            window_order = "spread" if narrow else "contiguous"
-        self.window_order = window_order
-        """The staggered window's order, ``"contiguous"`` or ``"spread"`` (``"auto"`` resolved)."""
+        a = Averaging.resolve(
+            density=density,
+            schedule=schedule,
+            warmup_steps=warmup_steps,
+            wire_dtype=wire_dtype,
+            wire_bits=wire_bits,
+            window_order=window_order,
+            average_moment=average_moment,
+            overlap=overlap,
+        )
+        self.averaging = a
+        """The averaging's settings, every ``"auto"`` resolved."""
+        self.schedule, self.wire_dtype, self.wire_bits = a.schedule, a.wire_dtype, a.wire_bits
+        self.average_moment, self.overlap, self.window_order = a.average_moment, a.overlap, a.window_order
+        self.wire_density, self.period = a.wire_density, a.period
         if normalizer == "auto":
-            normalizer = "measured" if narrow else "debiased"
+            normalizer = "measured" if a.narrow else "debiased"
         self.normalizer = normalizer
         """``"debiased"``, ``"measured"`` or ``"local"`` (``"auto"`` resolved)."""
         super().__init__(
@@ -327,30 +267,20 @@ class LocalAdamS(ReplicatedAdamS):
             bias_correction,
             group,
             wd_min_ndim=wd_min_ndim,
-            config=f"LocalAdamS|{schedule}|{wire_dtype}|{normalizer}"
-            + ("|spread" if window_order == "spread" else "")
-            + ("" if wire_bits is None else f"|int{wire_bits}")
-            + ("|moment" if self.average_moment else "")
-            + ("|overlap" if overlap else "")
+            config=f"LocalAdamS|{a.schedule}|{a.wire_dtype}|{normalizer}"
+            + a.tag().removeprefix(f"{a.schedule}|{a.wire_dtype}")
             + ("|s-bf16" if normalizer_dtype == torch.bfloat16 else ""),
         )
         b = self._bucket
-        self.k = k_for(b.numel, b.world_size, self.wire_density)
-        self._residual = b.new_shard() if self.quantizer is not None else None
         self._s = None if normalizer == "local" else b.new_flat().to(normalizer_dtype)
         self.noise: NoiseScale | None = NoiseScale() if normalizer == "measured" else None
         """The measured share of the debiased normalizer's noise estimate (``normalizer="measured"``)."""
         self._var_sum = torch.zeros((), dtype=torch.float64, device=self._flat.device)
-        self._anchor: Tensor | None = None
-        self._delta: Tensor | None = None
-        if wire_dtype != torch.float32:
-            self._anchor = self._flat.clone()
-            if self.quantizer is None:
-                self._delta = torch.zeros(b.padded_numel, dtype=wire_dtype, device=self._flat.device)
-        self._moment_anchor = self._m.clone() if self.average_moment else None
-        self._moment_residual = b.new_shard() if self.average_moment else None
-        self._codes = None if self.quantizer is None else CodeAverager(self._comm, self.quantizer, overlap=overlap)
-        self._repost = False  # restored with the last step's averaging unsent: send it at the next step
+        buffers = {"params": self._flat, **({"exp_avg": self._m} if a.average_moment else {})}
+        self._avg = ReplicaAverager(self._comm, b, a, buffers)
+        self.k = self._avg.k
+        self.quantizer = self._avg.quantizer
+        """The encoding of the changes when ``wire_bits`` is set."""
 
     def _extra_moments(self) -> dict[str, Tensor]:
         return {} if self._s is None else {"exp_avg_sq": self._s}
@@ -395,127 +325,55 @@ class LocalAdamS(ReplicatedAdamS):
         shard size), in the shard's own order or, with ``window_order="spread"``,
         in the order of :func:`spread_positions`.
         """
-        b = self._bucket
-        pos = window_positions(t - self.warmup_steps, self.k, b.shard_size, self.window_order)
-        return ShardedMask(numel=b.numel, world_size=b.world_size, k=self.k, indices=pos.expand(b.world_size, self.k))
+        mask = self._avg.schedule.mask(t)
+        if mask is None:
+            raise ValueError("window: the periodic schedule averages every position")
+        return mask
 
     def is_average_step(self, t: int) -> bool:
         """Whether (part of) the parameters are averaged after step ``t``."""
-        if t < self.warmup_steps:
-            return False
-        return self.schedule == "staggered" or (t + 1 - self.warmup_steps) % self.period == 0
+        return self._avg.schedule.due(t)
 
     def _run(self, t: int) -> None:
         super()._run(t)
-        if t < self.warmup_steps:  # the replicas and first moments are identical during the warm-up
-            for buf, anchor, _ in self._anchored():
-                anchor.copy_(buf)
-
-    def _anchored(self) -> list[tuple[Tensor, Tensor, Tensor | None]]:
-        """``(buffer, its last average, the owner's residual of its codes)`` for what the window averages as changes."""
-        out: list[tuple[Tensor, Tensor, Tensor | None]] = []
-        if self._anchor is not None:
-            out.append((self._flat, self._anchor, self._residual))
-        if self._moment_anchor is not None:
-            out.append((self._m, self._moment_anchor, self._moment_residual))
-        return out
+        if t < self.warmup_steps:  # the replicas and first moments are identical during the warm-up: anchors follow
+            self._avg.after_step(t)
 
     def _average(self, t: int) -> None:
         p = self._bucket.world_size
         if self.noise is not None and p > 1:  # the step's clipped gradient and estimate, for the next step
             self.noise.measure(self._comm, self._grad, (1.0 - 1.0 / p) * float(self._var_sum), t)
             self._var_sum.zero_()
-        if not self.is_average_step(t) or p == 1:
-            return  # one rank: nothing to average (and no bfloat16 rounding of its own changes)
-        n, flat, anchor = self._bucket.numel, self._flat, self._anchor
-        if self.quantizer is not None:
-            assert self._codes is not None
-            self._codes.land()  # overlap: the averaging started after the last step
-            self._start(t)
-            return
-        if anchor is None or self._delta is None:
-            if self.schedule == "periodic":
-                self._comm.all_reduce(flat, ReduceOp.AVG)
-            else:
-                sparse_all_reduce(self._comm, flat[:n], self.window(t), "avg", verify_mask=False)
-            return
-        delta = self._delta
-        if self.schedule == "periodic":
-            torch.sub(flat, anchor, out=delta)
-            self._comm.all_reduce(delta, ReduceOp.AVG)
-            anchor.add_(delta)
-            flat.copy_(anchor)
-            return
-        mask = self.window(t)
-        pos = mask.global_indices(flat.device)
-        averaged = anchor.index_select(0, pos)
-        delta.index_copy_(0, pos, flat.index_select(0, pos).sub_(averaged).to(delta.dtype))
-        sparse_all_reduce(self._comm, delta[:n], mask, "avg", verify_mask=False)
-        averaged.add_(delta.index_select(0, pos))
-        anchor.index_copy_(0, pos, averaged)
-        flat.index_copy_(0, pos, averaged)
-
-    def _slots(self, t: int) -> WindowSlots:
-        b = self._bucket
-        if self.schedule == "periodic":
-            return WindowSlots(0, b.shard_size, b.shard_size, b.world_size, "contiguous")
-        return WindowSlots(t - self.warmup_steps, self.k, b.shard_size, b.world_size, self.window_order)
-
-    def _start(self, t: int) -> None:
-        """Average the changes since the anchors at the positions of step ``t`` in codes (:mod:`optim.averaging`)."""
-        assert self._codes is not None
-        anchored = [(buf, anchor, residual) for buf, anchor, residual in self._anchored() if residual is not None]
-        self._codes.start(t, self._slots(t), anchored)
+        self._avg.after_step(t)
 
     def wait_in_flight(self) -> None:
         """Wait until the averaging in flight (``overlap``) has moved its bytes; it still lands at the next step.
 
         For exact byte counts over a window of steps; a no-op without ``overlap``.
         """
-        if self._codes is not None:
-            self._codes.wait()
+        self._avg.wait()
 
     def _settle(self) -> None:
         """After a restore, send the averaging the last step started (the same bytes as the first time)."""
-        if not self._repost:
-            return
-        self._repost = False
-        t = self._step - 1
-        if self._bucket.world_size > 1 and t >= self.warmup_steps and self.is_average_step(t):
-            self._start(t)
+        self._avg.settle(self._step)
 
     def _quiesce(self) -> None:
         """Drop the averaging in flight unwaited before a restore; the restored state sends it again."""
-        if self._codes is not None:
-            self._codes.drop()
-        self._repost = self.overlap
+        self._avg.quiesce()
 
     def abandon(self) -> None:
         """Drop the averaging in flight without waiting for it (its transport failed). Local."""
-        self._repost = False
-        if self._codes is not None:
-            self._codes.abandon()
+        self._avg.abandon()
 
     def close(self) -> None:
         """Land the averaging still in flight and stop its thread (call before tearing the group down)."""
-        if self._codes is not None:
-            self._codes.close()
+        self._avg.close()
 
     def _full_state(self) -> dict[str, Tensor]:
-        out = {**super()._full_state(), **self._extra_moments()}
-        if self._anchor is not None:
-            out["anchor"] = self._anchor
-        if self._moment_anchor is not None:
-            out["exp_avg_anchor"] = self._moment_anchor
-        return out
+        return {**super()._full_state(), **self._extra_moments(), **self._avg.full_state()}
 
     def _own_state(self) -> dict[str, Tensor]:
-        out = {}
-        if self._residual is not None:
-            out["wire_residual"] = self._residual
-        if self._moment_residual is not None:
-            out["exp_avg_wire_residual"] = self._moment_residual
-        return out
+        return self._avg.own_state()
 
     def _check_shard(self, what: str, sh: dict[str, Any]) -> None:
         super()._check_shard(what, sh)
@@ -546,7 +404,7 @@ class LocalAdamS(ReplicatedAdamS):
     @property
     def anchor(self) -> Tensor | None:
         """The last average of every position, the same on every rank (padded flat fp32); ``None``: float32 values."""
-        return self._anchor
+        return self._avg.anchor()
 
     @torch.no_grad()
     def average_params(self) -> None:
@@ -557,8 +415,7 @@ class LocalAdamS(ReplicatedAdamS):
         first moments are kept. With ``overlap``, the averaging in flight lands first.
         """
         self._settle()
-        if self._codes is not None:
-            self._codes.land()
+        self._avg.land()
         self._average_replicas()
 
     def _average_replicas(self) -> None:
@@ -580,8 +437,7 @@ class LocalAdamS(ReplicatedAdamS):
         """
         self._settle()
         own = self._flat.clone()
-        if self._codes is not None:  # the replicas as they will be once the averaging in flight lands
-            self._codes.landed_into(self._flat)
+        self._avg.landed_into(self._flat)  # the replicas as they will be once the averaging in flight lands
         self._average_replicas()
         try:
             yield

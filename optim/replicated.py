@@ -21,26 +21,13 @@ import torch
 from torch import Tensor
 
 from bindings import ReduceOp
+from optim.averaging import check_density, check_steps
 from optim.sharded import ShardedAdamS, take_written
 from sparsecomm.mask import k_for
 
-__all__ = ["ReplicatedAdamS", "check_density"]
+__all__ = ["ReplicatedAdamS"]
 
 logger = logging.getLogger(__name__)
-
-
-def check_density(density: object) -> float:
-    if isinstance(density, bool) or not isinstance(density, (int, float)):
-        raise ValueError(f"Invalid density: {density!r} (must be a float in (0, 1])")
-    if not 0.0 < float(density) <= 1.0:
-        raise ValueError(f"Invalid density: {density!r} (must be in (0, 1])")
-    return float(density)
-
-
-def _check_steps(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"Invalid {name}: {value!r} (must be an int >= 0)")
-    return value
 
 
 class ReplicatedAdamS(ShardedAdamS):
@@ -74,7 +61,7 @@ class ReplicatedAdamS(ShardedAdamS):
         config: str,
     ) -> None:
         self.density = check_density(density)
-        self.warmup_steps = _check_steps("warmup_steps", warmup_steps)
+        self.warmup_steps = check_steps("warmup_steps", warmup_steps)
         super().__init__(
             params,
             lr,
@@ -210,12 +197,7 @@ class ReplicatedAdamS(ShardedAdamS):
             mine.zero_()
             mine[: b.numel].copy_(extra[name][: b.numel])
         for name, mine in self._own_state().items():  # the positions this rank owned then and owns now
-            src = extra[name]
-            old_lo = old_rank * src.numel()
-            lo, hi = max(b.shard_lo, old_lo), min(b.shard_lo + b.shard_size, old_lo + src.numel(), b.numel)
-            mine.zero_()
-            if lo < hi:
-                mine[lo - b.shard_lo : hi - b.shard_lo].copy_(src[lo - old_lo : hi - old_lo])
+            b.take_own(mine, extra[name], old_rank)
         self._step = int(snap["step"])
         b.write_params(self._flat)
         self._master.copy_(b.own_slice(self._flat))

@@ -104,18 +104,7 @@ class _ShardedOptimizer(Optimizer):
         self._master_wins = False  # set by loads: the next step keeps the loaded master over the params
 
     def _agree(self, fp: int, error: ValueError | None) -> None:
-        """One small all_reduce: every rank raises if any rank failed or the params differ."""
-        both = torch.tensor([fp, -fp, int(error is not None)], dtype=torch.int64)
-        with self._comm.stats.scope("param_check"):
-            self._comm.all_reduce(both, ReduceOp.MAX)
-        if error is not None:
-            raise error
-        if int(both[2]):
-            raise ValueError("params: another rank rejected its parameters")
-        if int(both[0]) != fp or int(-both[1]) != fp:
-            raise ValueError(
-                "params: the parameters (count, shapes, dtype) or the optimizer settings differ between ranks"
-            )
+        agree(self._comm, fp, error)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if not getattr(self, "_building", False):
@@ -438,6 +427,23 @@ class _ShardedOptimizer(Optimizer):
 
 
 _NORM_ROW = 1 << 16
+
+
+def agree(comm: Any, fp: int, error: Exception | None) -> None:
+    """One small all_reduce: every rank raises if any rank failed its local checks or the params differ.
+
+    Collective: every rank must call this, with its fingerprint of the
+    parameters and settings (``fp``) and the error its checks raised, if any.
+    """
+    both = torch.tensor([fp, -fp, int(error is not None)], dtype=torch.int64)
+    with comm.stats.scope("param_check"):
+        comm.all_reduce(both, ReduceOp.MAX)
+    if error is not None:
+        raise error
+    if int(both[2]):
+        raise ValueError("params: another rank rejected its parameters")
+    if int(both[0]) != fp or int(-both[1]) != fp:
+        raise ValueError("params: the parameters (count, shapes, dtype) or the optimizer settings differ between ranks")
 
 
 def squared_norm(g: Tensor) -> Tensor:

@@ -1,0 +1,339 @@
+"""Local steps of any ``torch.optim`` optimizer, the replicas averaged a window at a time (:class:`LocalOptimizer`).
+
+Every rank steps its own replica of the model with its own optimizer (say
+:class:`torch.optim.AdamW`, its state untouched), on its own gradient; after
+each step :class:`LocalOptimizer` averages a window of the parameters over
+the ranks with the engine of :class:`optim.LocalAdamS`
+(:class:`optim.averaging.ReplicaAverager`: the staggered window of the
+changes since the last average in low-bit codes with error feedback by
+default, or a periodic dense average; ``overlap`` lands each averaging one
+step late, its exchange beside the next forward and backward). The first
+``warmup_steps`` steps average the gradients instead (one dense all-reduce
+each), so the replicas start the local phase identical. Like PyTorch's
+``PostLocalSGDOptimizer`` and torchft's ``LocalSGD``, it wraps the optimizer
+the user already has; unlike them, a step sends about ``density`` times the
+bytes of a dense gradient all-reduce, every step.
+
+What stays with :class:`optim.LocalAdamS`: its debiased normalizer (a rank's
+gradient carries ``world_size`` times the noise of the averaged one that a
+dense optimizer normalizes by: the wrapped optimizer sees its own rank's
+gradient as it is) and the averaging of the first moments (``average_moment``).
+
+Memory beside the inner optimizer's own state: the anchor (one fp32 copy of
+the model) and the owner's residual of the codes (one fp32 shard); the
+parameters become views of one flat fp32 buffer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+import sparsecomm.distributed as dist
+from bindings import ReduceOp
+from optim.averaging import Averaging, ReplicaAverager
+from optim.buckets import FlatBucket
+from optim.sharded import _ShardedOptimizer, agree
+
+__all__ = ["LocalOptimizer"]
+
+logger = logging.getLogger(__name__)
+
+_WRAPPED: weakref.WeakSet[Optimizer] = weakref.WeakSet()
+"""The optimizers a :class:`LocalOptimizer` wraps: a second wrapper of one is refused."""
+
+
+def _check_inner(optimizer: object, model: object) -> None:
+    """Refuse what cannot be wrapped (local checks, the same on every rank)."""
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if isinstance(optimizer, (_ShardedOptimizer, LocalOptimizer)):
+        raise TypeError(
+            f"optimizer: {type(optimizer).__name__} synchronizes the ranks itself; wrap a plain torch.optim "
+            "optimizer (e.g. torch.optim.AdamW) that steps this rank's replica alone"
+        )
+    if optimizer in _WRAPPED:
+        raise ValueError("optimizer: it is already wrapped by a LocalOptimizer; wrap each optimizer once")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    mine = [p for g in optimizer.param_groups for p in g["params"]]
+    names = {id(p): n for n, p in model.named_parameters()}
+    foreign = [i for i, p in enumerate(mine) if id(p) not in names]
+    if foreign:
+        raise ValueError(
+            f"optimizer: {len(foreign)} of its parameters (first: position {foreign[0]}) are not the model's; "
+            "build the optimizer over model.parameters()"
+        )
+    held = {id(p) for p in mine}
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
+    if missing:
+        raise ValueError(
+            f"model: {len(missing)} trainable parameters are not the optimizer's (first: {missing[0]}); "
+            "their replicas would drift apart unaveraged: give them to the optimizer or freeze them"
+        )
+
+
+class LocalOptimizer(Optimizer):
+    """Wrap ``optimizer``: every rank steps its own replica; a window of the parameters is averaged after each step.
+
+    See the module docstring. ``param_groups`` and ``state`` are the wrapped
+    optimizer's (an LR scheduler built over the wrapper drives it).
+
+    Args:
+        optimizer: A ``torch.optim`` optimizer over ``model``'s trainable
+            parameters (fp32, one device), not one of ours.
+        model: The model it trains, the same on every rank.
+        density: Value bytes per step as a fraction of a dense fp32 exchange of the model.
+        schedule: ``"staggered"`` (default) or ``"periodic"``.
+        warmup_steps: Steps that average the gradients (dense) before the local phase.
+        wire_dtype: ``torch.bfloat16`` (default): the changes since the last
+            average travel; ``torch.float32``: the values (no anchor, no codes).
+        wire_bits: ``"auto"`` (default), 1, 2, 4 or 8: the changes in codes
+            (:func:`optim.averaging.auto_wire_bits`); ``None``: bfloat16 changes.
+        window_order: ``"auto"`` (default), ``"contiguous"`` or ``"spread"``.
+        overlap: Land each averaging one step late, its exchange beside the next step (needs codes).
+        max_grad_norm: Clip the gradient the wrapped optimizer sees (the
+            averaged one in the warm-up, this rank's own after it) to this
+            global norm; 0 (default): no clipping.
+        group: The process group (default: the default group of :mod:`sparsecomm.distributed`).
+
+    Raises:
+        TypeError: ``optimizer`` is not a plain torch optimizer, or ``model`` not a module.
+        ValueError: A bad setting, an optimizer wrapped twice, parameters that
+            are not the model's trainable ones or not fp32, or models that differ
+            between ranks (before any communication but one small agreement,
+            the same on every rank).
+    """
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        model: torch.nn.Module,
+        *,
+        density: float = 0.1,
+        schedule: str = "staggered",
+        warmup_steps: int = 10,
+        wire_dtype: torch.dtype = torch.bfloat16,
+        wire_bits: int | str | None = "auto",
+        window_order: str = "auto",
+        overlap: bool = False,
+        max_grad_norm: float = 0.0,
+        group: Any = None,
+    ) -> None:
+        self._comm = dist.get_communicator(group)
+        error: ValueError | TypeError | None = None
+        fp = 0
+        try:
+            _check_inner(optimizer, model)
+            if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or max_grad_norm < 0:
+                raise ValueError(f"Invalid max_grad_norm: {max_grad_norm!r} (must be >= 0)")
+            self.averaging = Averaging.resolve(
+                density=density,
+                schedule=schedule,
+                warmup_steps=warmup_steps,
+                wire_dtype=wire_dtype,
+                wire_bits=wire_bits,
+                window_order=window_order,
+                average_moment=False,
+                overlap=overlap,
+            )
+            """The averaging's settings, every ``"auto"`` resolved."""
+            groups = [{"params": g["params"], "wd_min_ndim": 0} for g in optimizer.param_groups]
+            self._bucket = FlatBucket(groups, self._comm.rank, self._comm.world_size)
+            if self._bucket.dtype != torch.float32:
+                raise ValueError(f"params: LocalOptimizer averages fp32 parameters, got {self._bucket.dtype}")
+            fp = self._bucket.fingerprint(f"LocalOptimizer|{type(optimizer).__qualname__}|{self.averaging}")
+        except (ValueError, TypeError) as exc:
+            error = exc
+        agree(self._comm, fp, error)
+        super().__init__([{"params": list(g["params"])} for g in optimizer.param_groups], {})
+        self.optimizer = optimizer
+        """The wrapped optimizer: it steps this rank's replica."""
+        self.param_groups, self.state, self.defaults = optimizer.param_groups, optimizer.state, optimizer.defaults
+        _WRAPPED.add(optimizer)
+        self.model = model
+        self.max_grad_norm = float(max_grad_norm)
+        self.last_grad_norm: float | None = None
+        """The global norm of the gradient the wrapped optimizer saw at the last step (``max_grad_norm`` set)."""
+        b = self._bucket
+        self._flat = b.new_flat()
+        b.bind_params(self._flat)  # the parameters are views of the replica: the averaging writes them in place
+        self._grad = b.new_flat()
+        self._avg = ReplicaAverager(self._comm, b, self.averaging, {"params": self._flat})
+        self._step = 0
+
+    # ------------------------------------------------------------------ torch.optim surface
+    @property
+    def density(self) -> float:
+        return self.averaging.density
+
+    @property
+    def warmup_steps(self) -> int:
+        return self.averaging.warmup_steps
+
+    @property
+    def k(self) -> int:
+        """Positions of every shard averaged per step (staggered)."""
+        return self._avg.k
+
+    @property
+    def bucket(self) -> FlatBucket:
+        """The flat layout of the parameters."""
+        return self._bucket
+
+    @property
+    def communicator(self) -> Any:
+        return self._comm
+
+    @property
+    def anchor(self) -> Tensor | None:
+        """The last average of every position, the same on every rank (padded flat fp32); ``None``: float32 values."""
+        return self._avg.anchor()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if hasattr(self, "optimizer"):
+            raise RuntimeError("LocalOptimizer: param groups cannot be added after construction")
+        super().add_param_group(param_group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Step the wrapped optimizer on this rank's gradient, then average what the schedule says.
+
+        Collective: every rank must call this. In the warm-up the gradients
+        are averaged first (one dense all_reduce).
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._avg.settle(self._step)
+        t, b = self._step, self._bucket
+        b.check_params()
+        if b.rebind(self._flat):
+            logger.info("LocalOptimizer: the storage of parameters was replaced; re-bound with their values")
+        if t < self.warmup_steps and b.world_size > 1:
+            self._average_grads()
+        if self.max_grad_norm > 0:
+            params = [p for p in b.params if p.grad is not None]
+            self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm))
+        self.optimizer.step()
+        self._avg.after_step(t)
+        self._step = t + 1
+        return loss
+
+    def _average_grads(self) -> None:
+        b, g = self._bucket, self._grad
+        missing = set(b.gather_grads(g))
+        self._comm.all_reduce(g, ReduceOp.AVG)
+        for i, (p, off) in enumerate(zip(b.params, b.offsets, strict=True)):
+            avg = g[off : off + p.numel()].view(p.shape)
+            if i in missing:
+                p.grad = avg.clone()  # another rank had one: every replica takes the same step
+            else:
+                p.grad.copy_(avg)  # type: ignore[union-attr]
+
+    def wait_in_flight(self) -> None:
+        """Wait until the averaging in flight (``overlap``) has moved its bytes; it still lands at the next step."""
+        self._avg.wait()
+
+    # ------------------------------------------------------------------ the replicas' average
+    def _average_replicas(self) -> None:
+        with self._comm.stats.scope("average"):
+            self._comm.all_reduce(self._flat, ReduceOp.AVG)
+
+    @torch.no_grad()
+    def average_params(self) -> None:
+        """Average every rank's replica into the parameters, for good (one dense all_reduce).
+
+        Collective: every rank must call this. Once training is over, or before
+        saving a model that must be the same on every rank; the wrapped
+        optimizer's state is kept. With ``overlap``, the averaging in flight lands first.
+        """
+        self._avg.settle(self._step)
+        self._avg.land()
+        self._average_replicas()
+
+    @contextlib.contextmanager
+    def averaged(self) -> Iterator[None]:
+        """Inside the block the parameters hold the average of the replicas; after it, this rank's own again.
+
+        Collective: every rank must enter it (one dense all_reduce). Do not
+        step inside the block. With ``overlap`` the average includes the
+        averaging in flight, which still lands at the next step.
+        """
+        with torch.no_grad():
+            self._avg.settle(self._step)
+            own = self._flat.clone()
+            self._avg.landed_into(self._flat)
+            self._average_replicas()
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                self._flat.copy_(own)
+
+    def abandon(self) -> None:
+        """Drop the averaging in flight without waiting for it (its transport failed). Local."""
+        self._avg.abandon()
+
+    def close(self) -> None:
+        """Land the averaging still in flight and stop its thread (call before tearing the group down)."""
+        self._avg.close()
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state dict, plus ``"local"``: the step, this rank, the anchor and residual.
+
+        Holds live tensors (copy or save it before the next step). With
+        ``overlap``, the state before the averaging in flight lands.
+        """
+        b = self._bucket
+        local: dict[str, Any] = {"step": self._step, "rank": b.rank, "world_size": b.world_size}
+        local.update(self._avg.full_state())
+        local.update(self._avg.own_state())
+        return {**self.optimizer.state_dict(), "local": local}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict` saved under any world size (same model); the parameters are not touched.
+
+        Local: no communication. The residual of the codes is kept where this
+        rank owned positions then and owns now. With ``overlap`` the averaging
+        the saved step started is sent again at the next step.
+
+        Raises:
+            ValueError: Not a LocalOptimizer's state dict of this model and settings.
+        """
+        local = state_dict.get("local") if isinstance(state_dict, dict) else None
+        if not isinstance(local, dict):
+            raise ValueError("state_dict: not a LocalOptimizer's (no 'local' entry)")
+        b = self._bucket
+        step, rank = local.get("step"), local.get("rank")
+        if type(step) is not int or step < 0 or type(rank) is not int or rank < 0:
+            raise ValueError(f"state_dict: bad step {step!r} or rank {rank!r}")
+        for name, mine in self._avg.full_state().items():
+            src = local.get(name)
+            if not isinstance(src, Tensor) or src.dim() != 1 or src.numel() < b.numel or src.dtype != mine.dtype:
+                raise ValueError(f"state_dict: {name} missing or not a flat {mine.dtype} buffer of {b.numel} elements")
+        for name, mine in self._avg.own_state().items():
+            src = local.get(name)
+            if not isinstance(src, Tensor) or src.dim() != 1 or src.dtype != mine.dtype:
+                raise ValueError(f"state_dict: {name} missing or not a flat {mine.dtype} shard")
+        self._avg.quiesce()
+        self.optimizer.load_state_dict({k: v for k, v in state_dict.items() if k != "local"})
+        for name, mine in self._avg.full_state().items():
+            mine.zero_()
+            mine[: b.numel].copy_(local[name][: b.numel])
+        for name, mine in self._avg.own_state().items():
+            b.take_own(mine, local[name], rank)
+        self._step = step
