@@ -450,7 +450,10 @@ class Averaging:
 class Schedule(Protocol):
     """What is averaged after a step."""
 
-    warmup_steps: int
+    @property
+    def warmup_steps(self) -> int:
+        """Steps that average the gradients instead."""
+        ...
 
     def due(self, t: int) -> bool:
         """Whether (part of) the replicas are averaged after step ``t``."""

@@ -47,6 +47,12 @@ DEFAULT_DENSITIES = (0.1, 0.01, 0.001)
 TARGETS = {0.1: 1.02, 0.01: 1.05}
 """Largest acceptable ratio of SCAPE's final validation loss to dense AdamS's, per density."""
 
+ADAMW_BASED = ("local-adamw",)
+"""Optimizer choices whose dense reference is AdamW (averaged gradients, same schedule), not AdamS."""
+
+ADAMW_TARGETS = {0.1: 1.03, 0.01: 1.06}
+"""Largest acceptable ratio of an AdamW-based method's validation loss to dense AdamW's, per density."""
+
 OnRun = Callable[[dict[str, Any]], None]
 
 
@@ -55,6 +61,7 @@ METHODS = (
     "local",
     "local-overlap",
     "local-lean",
+    "local-adamw",
     "local-bf16",
     "local-int8",
     "local-int4",
@@ -72,20 +79,20 @@ METHODS = (
     "periodic",
     "topk",
 )
-"""Sparse methods a convergence run can compare, each at every density: SCAPE; LocalAdamS with its defaults
-(``local``: staggered window of changes in the codes of :func:`optim.local.auto_wire_bits`,
-``window_order="auto"``, ``normalizer="auto"``, ``average_moment="auto"``); the defaults with each averaging
-landing a step late, its exchange beside the next step's compute (``local-overlap``); the defaults with the
-normalizer's second-moment EMA in bfloat16 (``local-lean``); the defaults with the first moments averaged at
-every density or at none (``local-moment``, ``local-nomoment``: the defaults before ``average_moment``); the
-rest without them: the defaults with the debiased or the measured normalizer at every density
-(``local-debiased``, ``local-measured``); with the debiased normalizer and in the window's own order
-(contiguous) unless the name says otherwise: with ``B``-bit codes at every density (``local-intB``), with
-bfloat16 changes (``local-bf16``, the defaults before the codes), either order at every density
-(``local-contiguous``, ``local-spread``); bfloat16 changes with plain per-rank AdamS (``local-plain``), the
-defaults' codes and order with plain per-rank AdamS (``local-codes-plain``); float32 values and plain AdamS
-(``local-f32``); a periodic dense float32 average and plain AdamS (``periodic``); TopKAdamS (top-k + error
-feedback)."""
+"""Sparse methods a convergence run can compare, each at every density: SCAPE; LocalAdamS with its defaults (``local``:
+staggered window of changes in the codes of :func:`optim.local.auto_wire_bits`, ``window_order="auto"``,
+``normalizer="auto"``, ``average_moment="auto"``); the defaults with each averaging landing a step late, its
+exchange beside the next step's compute (``local-overlap``); the defaults with the normalizer's second-moment EMA in
+bfloat16 (``local-lean``); :class:`torch.optim.AdamW` wrapped by :class:`optim.LocalOptimizer` with its defaults
+(``local-adamw``, judged against dense AdamW); the defaults with the first moments averaged at every density or at
+none (``local-moment``, ``local-nomoment``: the defaults before ``average_moment``); the rest without them: the
+defaults with the debiased or the measured normalizer at every density (``local-debiased``, ``local-measured``);
+with the debiased normalizer and in the window's own order (contiguous) unless the name says otherwise: with
+``B``-bit codes at every density (``local-intB``), with bfloat16 changes (``local-bf16``, the defaults before the
+codes), either order at every density (``local-contiguous``, ``local-spread``); bfloat16 changes with plain per-rank
+AdamS (``local-plain``), the defaults' codes and order with plain per-rank AdamS (``local-codes-plain``); float32
+values and plain AdamS (``local-f32``); a periodic dense float32 average and plain AdamS (``periodic``); TopKAdamS
+(top-k + error feedback)."""
 
 _METHOD_OVERRIDES: dict[str, dict[str, Any]] = {
     "scape": {"optimizer": "scape"},
@@ -101,6 +108,12 @@ _METHOD_OVERRIDES: dict[str, dict[str, Any]] = {
         "local_wire": "auto",
         "local_normalizer": "auto",
         "local_overlap": True,
+    },
+    "local-adamw": {
+        "optimizer": "local-adamw",
+        "local_schedule": "staggered",
+        "local_wire": "auto",
+        "local_window_order": "auto",
     },
     "local-lean": {
         "optimizer": "local-adams",

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from optim.benchmarks.suite import ratio_key, reference
+
 __all__ = ["format_suite_table", "format_worst_table", "write_suite_plot"]
 
 
@@ -16,11 +18,15 @@ def _order(names: list[str]) -> list[str]:
 def format_suite_table(suite: dict[str, Any]) -> str:
     """One line per setting and horizon: each run's ratio of validation loss to dense AdamS's.
 
-    ``seed_spr`` is dense AdamS's own spread over the seeds (largest over
+    An AdamW-based run (name marked ``/w``) is given against dense AdamW's
+    instead. ``seed_spr`` is dense AdamS's own spread over the seeds (largest over
     smallest validation loss), the noise floor a ratio is read against.
     """
     names = _order(sorted({r["name"] for r in suite["rows"]}))
-    head = f"{'setting':>26} {'steps':>5} {'adams_val':>9} {'seed_spr':>8} " + " ".join(f"{n:>12}" for n in names)
+    vs_w = {r["name"] for r in suite["rows"] if reference(r.get("optimizer", "")) == "adamw"}
+    head = f"{'setting':>26} {'steps':>5} {'adams_val':>9} {'seed_spr':>8} " + " ".join(
+        f"{n + ('/w' if n in vs_w else ''):>12}" for n in names
+    )
     lines = [head]
     keys = sorted(
         {(r["setting"], r["horizon"]) for r in suite["rows"]}, key=lambda k: (list(suite["settings"]).index(k[0]), k[1])
@@ -31,7 +37,7 @@ def format_suite_table(suite: dict[str, Any]) -> str:
         spread = cells["adams"].get("dense_seed_spread")
         spr = f"{spread:>8.3f}" if spread is not None and len(cells["adams"].get("seeds", [])) > 1 else f"{'-':>8}"
         row = f"{setting:>26} {h:>5} {ref:>9.4f} {spr} " + " ".join(
-            f"{cells[n]['ratio_to_adams']:>12.4f}" if n in cells else f"{'-':>12}" for n in names
+            f"{cells[n][ratio_key(cells[n])]:>12.4f}" if n in cells else f"{'-':>12}" for n in names
         )
         lines.append(row)
     wire: dict[str, list[float]] = {}
@@ -83,8 +89,9 @@ def write_suite_plot(suite: dict[str, Any], path: str | Path) -> Path:
             ys = []
             for s in settings:
                 cell = [r for r in suite["rows"] if r["setting"] == s and r["horizon"] == h and r["name"] == n]
-                ys.append(cell[0]["ratio_to_adams"] if cell else float("nan"))
-            ax.plot(range(len(settings)), ys, "o-", ms=4, lw=1.2, label=n)
+                ys.append(cell[0][ratio_key(cell[0])] if cell else float("nan"))
+            vs_w = any(reference(r.get("optimizer", "")) == "adamw" for r in suite["rows"] if r["name"] == n)
+            ax.plot(range(len(settings)), ys, "o-", ms=4, lw=1.2, label=n + (" (vs AdamW)" if vs_w else ""))
         ax.axhline(1.0, color="black", lw=0.8)
         for limit in sorted(set(suite["targets"].values())):
             ax.axhline(limit, color="gray", lw=0.6, ls="--")

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from optim.local import LOCAL_SCHEDULES, NORMALIZERS, WINDOW_ORDERS, LocalAdamS
+from optim.local_optimizer import LocalOptimizer
 from optim.scape import MASK_SCORES, SCAPE, UNSELECTED_POLICIES
 from optim.sharded import ShardedAdamS, ShardedAdamW
 from optim.topk import TopKAdamS
@@ -32,16 +33,18 @@ OPTIMIZERS = (
     "adams",
     "scape",
     "local-adams",
+    "local-adamw",
     "topk-adams",
     "allreduce-adamw",
     "ddp-powersgd-adamw",
     "ddp-sparse-adamw",
 )
 """Choices of ``TrainConfig.optimizer``: ShardedAdamW, ShardedAdamS, SCAPE, LocalAdamS,
-TopKAdamS, and :class:`torch.optim.AdamW` with the gradients synchronized outside it: the original
+:class:`torch.optim.AdamW` wrapped by :class:`optim.LocalOptimizer` (``local-adamw``), TopKAdamS,
+and :class:`torch.optim.AdamW` with the gradients synchronized outside it: the original
 bucket all-reduce, or torch's DDP with the PowerSGD hook or sparsecomm's sparse hook."""
 
-SPARSE_OPTIMIZERS = ("scape", "local-adams", "topk-adams", "ddp-sparse-adamw")
+SPARSE_OPTIMIZERS = ("scape", "local-adams", "local-adamw", "topk-adams", "ddp-sparse-adamw")
 """The choices that take ``density`` and ``sparse_warmup_steps``."""
 
 DDP_HOOKS = {"ddp-powersgd-adamw": "powersgd", "ddp-sparse-adamw": "sparse"}
@@ -201,6 +204,9 @@ class TrainConfig:
         if self.optimizer in TORCH_ADAMW:
             out = {"name": self.optimizer, "class": "torch.optim.AdamW", "grad_clip": self.grad_clip, **common}
             return {**out, **self.sparse_kwargs()}
+        if self.optimizer == "local-adamw":
+            out = {"name": self.optimizer, "class": "optim.LocalOptimizer(torch.optim.AdamW)", **common}
+            return {**out, "max_grad_norm": self.grad_clip, **self.sparse_kwargs()}
         cls = _CLASSES[self.optimizer]
         out = {"name": self.optimizer, "class": f"optim.{cls.__name__}", **common, "max_grad_norm": self.grad_clip}
         out.update(self.sparse_kwargs())
@@ -221,6 +227,15 @@ class TrainConfig:
                 "average_moment": LOCAL_MOMENTS[self.local_moment],
                 "overlap": self.local_overlap,
                 "normalizer_dtype": self.local_normalizer_dtype,
+            }
+        if self.optimizer == "local-adamw":
+            return {
+                "density": self.density,
+                "schedule": self.local_schedule,
+                "warmup_steps": self.sparse_warmup_steps,
+                **_local_wire_kwargs(self.local_wire),
+                "window_order": self.local_window_order,
+                "overlap": self.local_overlap,
             }
         if self.optimizer == "topk-adams":
             return {"density": self.density, "warmup_steps": self.sparse_warmup_steps}
@@ -251,15 +266,20 @@ def build_optimizer(config: TrainConfig, model: torch.nn.Module) -> torch.optim.
     Weight decay applies to parameters with ``dim() >= 2`` only, for every choice.
     """
     params = [p for p in model.parameters() if p.requires_grad]
-    if config.optimizer in TORCH_ADAMW:
+    if config.optimizer in TORCH_ADAMW or config.optimizer == "local-adamw":
         decay = [p for p in params if p.dim() >= 2]
         no_decay = [p for p in params if p.dim() < 2]
-        return torch.optim.AdamW(
+        adamw = torch.optim.AdamW(
             [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=config.lr,
             betas=config.betas,
             eps=config.eps,
         )
+        if config.optimizer != "local-adamw":
+            return adamw
+        local = config.sparse_kwargs()
+        local["wire_dtype"] = getattr(torch, local["wire_dtype"])
+        return LocalOptimizer(adamw, model, max_grad_norm=config.grad_clip, **local)
     kw: dict[str, Any] = {
         "lr": config.lr,
         "betas": config.betas,

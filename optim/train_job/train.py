@@ -51,6 +51,7 @@ from bindings.launch import detect_launch
 from bindings.spawn import run_local
 from bindings.stats import op_delta
 from optim.local import LocalAdamS
+from optim.local_optimizer import LocalOptimizer
 from optim.scape import SCAPE
 from optim.topk import TopKAdamS
 from optim.train_job.config import DDP_HOOKS, TORCH_ADAMW, TrainConfig, build_optimizer, lr_at
@@ -96,7 +97,7 @@ def _evaluate(
     evaluated (:meth:`LocalAdamS.averaged`, counted under ``average``).
     """
     total = 0.0
-    averaged = optimizer.averaged() if isinstance(optimizer, LocalAdamS) else contextlib.nullcontext()
+    averaged = optimizer.averaged() if isinstance(optimizer, (LocalAdamS, LocalOptimizer)) else contextlib.nullcontext()
     with averaged, torch.no_grad():
         model.eval()
         for i in range(config.eval_batches):
@@ -241,7 +242,7 @@ def train_worker(config: TrainConfig, rank: int, world_size: int, on_step: OnSte
             }
             if isinstance(optimizer, SCAPE):
                 record["sparse"] = optimizer.last_mask is not None
-            elif isinstance(optimizer, (LocalAdamS, TopKAdamS)):
+            elif isinstance(optimizer, (LocalAdamS, LocalOptimizer, TopKAdamS)):
                 record["sparse"] = step > optimizer.warmup_steps
             elif hook is not None:
                 record["sparse"] = step > start_iter
@@ -252,10 +253,10 @@ def train_worker(config: TrainConfig, rank: int, world_size: int, on_step: OnSte
                 event["val_loss"] = evals[-1]["val_loss"]
             if on_step is not None:
                 on_step(event)
-        if isinstance(optimizer, LocalAdamS):
+        if isinstance(optimizer, (LocalAdamS, LocalOptimizer)):
             optimizer.average_params()  # every rank ends with the same model
     finally:
-        if isinstance(optimizer, (SCAPE, LocalAdamS)):
+        if isinstance(optimizer, (SCAPE, LocalAdamS, LocalOptimizer)):
             optimizer.close()  # finish the mask gathers or the averaging in flight before the group goes
         close_hook(hook_state)
     train_time = time.perf_counter() - t_train
