@@ -8,7 +8,8 @@ same re-sharding a resume onto another world size does), loads it into the
 user's model and writes ``model.state_dict()`` with ``torch.save``: a file
 that plain ``torch.load`` reads, with no sparsecomm needed to use it.
 
-Replicas that differ per slot (:class:`~optim.local.LocalAdamS`: local
+Replicas that differ per slot (:class:`~optim.local.LocalAdamS`,
+:class:`~optim.local_optimizer.LocalOptimizer`: local
 steps between averaging) are averaged, as
 :meth:`~optim.local.LocalAdamS.average_params` does at the end of a run.
 """
@@ -26,6 +27,7 @@ import sparsecomm.distributed as dist
 from bindings.store import open_store
 from optim.checkpoint import CheckpointError, CheckpointStore, export_state_dict, model_fingerprint, read_newest
 from optim.local import LocalAdamS
+from optim.local_optimizer import LocalOptimizer
 from optim.replicated import ReplicatedAdamS
 from optim.reshard import gather_full_state, restore_resharded
 from optim.sharded import _ShardedOptimizer
@@ -69,14 +71,17 @@ def export_checkpoint(
     try:
         opt = optimizer(model)
         sharded = isinstance(opt, _ShardedOptimizer) and not isinstance(opt, ReplicatedAdamS)
-        local = isinstance(opt, LocalAdamS)
+        local = isinstance(opt, (LocalAdamS, LocalOptimizer))
         step, old_ws, trees = read_newest(store, 0, 1, model_fingerprint(model, opt), shares=sharded or local)
         if isinstance(opt, _ShardedOptimizer) and sharded:
             restore_resharded(opt, step, gather_full_state(opt, sorted(trees.items()), old_ws))
-        elif isinstance(opt, LocalAdamS):  # the replicas differ: their average, as at the end of a run
+        elif local:  # the replicas differ: their average, as at the end of a run
             total = [torch.zeros_like(p) for p in model.parameters()]
             for tree in trees.values():
-                opt.restore_replica(tree["optim"])
+                if isinstance(opt, LocalAdamS):
+                    opt.restore_replica(tree["optim"])
+                else:
+                    load_plain(model, opt, tree["optim"])
                 for acc, p in zip(total, model.parameters(), strict=True):
                     acc.add_(p.detach())
             with torch.no_grad():

@@ -42,7 +42,13 @@ from optim.averaging import Averaging, ReplicaAverager
 from optim.buckets import FlatBucket
 from optim.sharded import _ShardedOptimizer, agree
 
-__all__ = ["LocalOptimizer"]
+__all__ = ["NOISE", "LocalOptimizer"]
+
+NOISE = ("auto", "shrink", "keep")
+"""Choices of ``LocalOptimizer(noise=...)``."""
+
+NOISE_BETA = 0.9
+"""The EMA coefficient of the gradient's running mean (``noise="shrink"``)."""
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +130,7 @@ class LocalOptimizer(Optimizer):
         wire_bits: int | str | None = "auto",
         window_order: str = "auto",
         overlap: bool = False,
+        noise: str = "auto",
         max_grad_norm: float = 0.0,
         group: Any = None,
     ) -> None:
@@ -134,6 +141,8 @@ class LocalOptimizer(Optimizer):
             _check_inner(optimizer, model)
             if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or max_grad_norm < 0:
                 raise ValueError(f"Invalid max_grad_norm: {max_grad_norm!r} (must be >= 0)")
+            if noise not in NOISE:
+                raise ValueError(f"Invalid noise: {noise!r} (must be one of {NOISE})")
             self.averaging = Averaging.resolve(
                 density=density,
                 schedule=schedule,
@@ -149,14 +158,13 @@ class LocalOptimizer(Optimizer):
             self._bucket = FlatBucket(groups, self._comm.rank, self._comm.world_size)
             if self._bucket.dtype != torch.float32:
                 raise ValueError(f"params: LocalOptimizer averages fp32 parameters, got {self._bucket.dtype}")
-            fp = self._bucket.fingerprint(f"LocalOptimizer|{type(optimizer).__qualname__}|{self.averaging}")
+            fp = self._bucket.fingerprint(f"LocalOptimizer|{type(optimizer).__qualname__}|{self.averaging}|{noise}")
         except (ValueError, TypeError) as exc:
             error = exc
         agree(self._comm, fp, error)
         super().__init__([{"params": list(g["params"])} for g in optimizer.param_groups], {})
         self.optimizer = optimizer
         """The wrapped optimizer: it steps this rank's replica."""
-        self.param_groups, self.state, self.defaults = optimizer.param_groups, optimizer.state, optimizer.defaults
         _WRAPPED.add(optimizer)
         self.model = model
         self.max_grad_norm = float(max_grad_norm)
@@ -167,9 +175,52 @@ class LocalOptimizer(Optimizer):
         b.bind_params(self._flat)  # the parameters are views of the replica: the averaging writes them in place
         self._grad = b.new_flat()
         self._avg = ReplicaAverager(self._comm, b, self.averaging, {"params": self._flat})
+        self.noise = "shrink" if noise == "auto" else noise
+        """``"shrink"`` or ``"keep"`` (``"auto"`` resolved)."""
+        self._mean = b.new_flat() if self.noise == "shrink" else None
         self._step = 0
 
     # ------------------------------------------------------------------ torch.optim surface
+    # param_groups, state and defaults are the wrapped optimizer's, also after its load_state_dict replaced them
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
+        inner = self.__dict__.get("optimizer")
+        return inner.param_groups if inner is not None else self.__dict__["_groups"]
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        inner = self.__dict__.get("optimizer")
+        if inner is None:
+            self.__dict__["_groups"] = value  # Optimizer.__init__, before the wrapped one is attached
+        else:
+            inner.param_groups = value
+
+    @property  # type: ignore[override]
+    def state(self) -> Any:
+        inner = self.__dict__.get("optimizer")
+        return inner.state if inner is not None else self.__dict__["_state"]
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        inner = self.__dict__.get("optimizer")
+        if inner is None:
+            self.__dict__["_state"] = value
+        else:
+            inner.state = value
+
+    @property  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:
+        inner = self.__dict__.get("optimizer")
+        return inner.defaults if inner is not None else self.__dict__["_defaults"]
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        inner = self.__dict__.get("optimizer")
+        if inner is None:
+            self.__dict__["_defaults"] = value
+        else:
+            inner.defaults = value
+
     @property
     def density(self) -> float:
         return self.averaging.density
@@ -223,6 +274,8 @@ class LocalOptimizer(Optimizer):
             logger.info("LocalOptimizer: the storage of parameters was replaced; re-bound with their values")
         if t < self.warmup_steps and b.world_size > 1:
             self._average_grads()
+        if self._mean is not None and b.world_size > 1:
+            self._track_mean(shrink=t >= self.warmup_steps)
         if self.max_grad_norm > 0:
             params = [p for p in b.params if p.grad is not None]
             self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm))
@@ -241,6 +294,25 @@ class LocalOptimizer(Optimizer):
                 p.grad = avg.clone()  # another rank had one: every replica takes the same step
             else:
                 p.grad.copy_(avg)  # type: ignore[union-attr]
+
+    def _track_mean(self, *, shrink: bool) -> None:
+        """Follow the gradient's running mean; after the warm-up, shrink this rank's gradient's deviation from it.
+
+        ``mean += (1 - beta) * (g - mean)``; ``g = mean_before + (g - mean_before) / sqrt(world_size)``: a
+        rank's gradient carries ``world_size`` times the noise variance of the averaged one a dense optimizer
+        steps on; shrunk, its second moment is the averaged gradient's again, its mean unchanged.
+        """
+        b, g, mean = self._bucket, self._grad, self._mean
+        assert mean is not None
+        b.gather_grads(g)
+        g.sub_(mean)
+        mean.add_(g, alpha=1.0 - NOISE_BETA)
+        if not shrink:
+            return
+        g.mul_(b.world_size**-0.5 - (1.0 - NOISE_BETA)).add_(mean)
+        for p, off in zip(b.params, b.offsets, strict=True):
+            if p.grad is not None:
+                p.grad.copy_(g[off : off + p.numel()].view(p.shape))
 
     def wait_in_flight(self) -> None:
         """Wait until the averaging in flight (``overlap``) has moved its bytes; it still lands at the next step."""
@@ -291,6 +363,14 @@ class LocalOptimizer(Optimizer):
         self._avg.close()
 
     # ------------------------------------------------------------------ state
+    def _full_state(self) -> dict[str, Tensor]:
+        return {**self._avg.full_state(), **({} if self._mean is None else {"grad_mean": self._mean})}
+
+    @property
+    def local_state(self) -> dict[str, Tensor]:
+        """What the averaging keeps beside the wrapped optimizer's state, by name (anchor, residual, running mean)."""
+        return {**self._full_state(), **self._avg.own_state()}
+
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state dict, plus ``"local"``: the step, this rank, the anchor and residual.
 
@@ -299,8 +379,7 @@ class LocalOptimizer(Optimizer):
         """
         b = self._bucket
         local: dict[str, Any] = {"step": self._step, "rank": b.rank, "world_size": b.world_size}
-        local.update(self._avg.full_state())
-        local.update(self._avg.own_state())
+        local.update(self.local_state)
         return {**self.optimizer.state_dict(), "local": local}
 
     @torch.no_grad()
@@ -321,7 +400,7 @@ class LocalOptimizer(Optimizer):
         step, rank = local.get("step"), local.get("rank")
         if type(step) is not int or step < 0 or type(rank) is not int or rank < 0:
             raise ValueError(f"state_dict: bad step {step!r} or rank {rank!r}")
-        for name, mine in self._avg.full_state().items():
+        for name, mine in self._full_state().items():
             src = local.get(name)
             if not isinstance(src, Tensor) or src.dim() != 1 or src.numel() < b.numel or src.dtype != mine.dtype:
                 raise ValueError(f"state_dict: {name} missing or not a flat {mine.dtype} buffer of {b.numel} elements")
@@ -331,7 +410,7 @@ class LocalOptimizer(Optimizer):
                 raise ValueError(f"state_dict: {name} missing or not a flat {mine.dtype} shard")
         self._avg.quiesce()
         self.optimizer.load_state_dict({k: v for k, v in state_dict.items() if k != "local"})
-        for name, mine in self._avg.full_state().items():
+        for name, mine in self._full_state().items():
             mine.zero_()
             mine[: b.numel].copy_(local[name][: b.numel])
         for name, mine in self._avg.own_state().items():

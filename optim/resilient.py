@@ -74,6 +74,7 @@ from bindings.errors import PeerFailureError
 from optim import training_state as ts
 from optim.checkpoint import CheckpointError, CheckpointStore, model_fingerprint, read_newest
 from optim.local import LocalAdamS
+from optim.local_optimizer import LocalOptimizer
 from optim.recovery import SlotSnapshots
 from optim.replicated import ReplicatedAdamS
 from optim.reshard import gather_full_state, restore_resharded
@@ -108,9 +109,10 @@ class ResilientTraining:
     Args:
         model: Any module, built identically (same seed) on every process, spares included.
         optimizer: Builds the optimizer over ``model``: one of ours (``SCAPE``,
-            ``ShardedAdamS``, ``ShardedAdamW``, ``LocalAdamS``, ``TopKAdamS``), or a
-            plain ``torch.optim`` optimizer, whose gradients :meth:`optimizer_step`
-            averages over the ranks first. Called again after every failure.
+            ``ShardedAdamS``, ``ShardedAdamW``, ``LocalAdamS``, ``TopKAdamS``, a
+            ``LocalOptimizer`` wrapping a plain one), or a plain ``torch.optim``
+            optimizer, whose gradients :meth:`optimizer_step` averages over the
+            ranks first. Called again after every failure.
         scheduler: Builds an LR scheduler over the optimizer (optional; rebuilt with it).
         state: More state to snapshot, by name.
         config: Timeouts and snapshot policy.
@@ -295,7 +297,7 @@ class ResilientTraining:
             self._stepped, self._loss, self._bad = True, None, rep.bad_ranks
             return None
         mean = rep.mean_loss if loss is not None else None
-        if not isinstance(self._opt, _ShardedOptimizer):
+        if not ts.synchronizes_itself(self._opt):
             ts.average_gradients(self.model)
         self._snaps.settle()
         self._opt.step()
@@ -306,7 +308,7 @@ class ResilientTraining:
         """End the run. Collective: every member must call this once after the last step.
 
         Waits for the last replication, averages the replicas of
-        :class:`LocalAdamS` (every member ends with one model), stops the
+        :class:`LocalAdamS` and :class:`LocalOptimizer` (every member ends with one model), stops the
         background work and closes the communicator. A spare that was never
         promoted only closes.
         """
@@ -315,7 +317,7 @@ class ResilientTraining:
         self._finished = True
         if self.is_member and self._opt is not None:
             self._snaps.drain()
-            if isinstance(self._opt, LocalAdamS):
+            if isinstance(self._opt, (LocalAdamS, LocalOptimizer)):
                 self._opt.average_params()
             if self._store is not None:
                 self._store.drain()

@@ -89,8 +89,16 @@ def checkpoint_hints(opt: torch.optim.Optimizer) -> tuple[dict[str, float], list
     return decay, [f"optim/{k}" for k in opt.checkpoint_first_moment()]
 
 
+PLAIN_STATE_TENSORS = 3
+"""Parameter-sized state tensors a plain torch optimizer may make per parameter (Adam with ``amsgrad``)."""
+
+
 def snapshot_headroom(opt: torch.optim.Optimizer, total_steps: int) -> int:
     """Bytes a later snapshot may add to the largest one held now (the replication capacity's slack).
+
+    A plain torch optimizer's state of a parameter appears at its first step:
+    room for :data:`PLAIN_STATE_TENSORS` tensors of the parameter's size is
+    kept for every parameter without state yet.
 
     Headers grow a little with the step number, the loss history by one pair per step; SCAPE's snapshots hold no
     masks during its dense warm-up and ``mask_delay`` masks of
@@ -98,6 +106,11 @@ def snapshot_headroom(opt: torch.optim.Optimizer, total_steps: int) -> int:
     """
     # the loss history, (step, loss) float64 pairs, and the skipped steps, int64
     headroom = (64 << 10) + 24 * (total_steps + 1)
+    if not isinstance(opt, _ShardedOptimizer):  # a torch optimizer makes its state at its first step of a parameter
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if not opt.state.get(p):
+                    headroom += PLAIN_STATE_TENSORS * p.numel() * p.element_size() + 1024
     if isinstance(opt, SCAPE) and opt.density < 1.0:
         b = opt.bucket
         headroom += opt.mask_delay * b.world_size * k_for(b.numel, b.world_size, opt.density) * 8
@@ -138,6 +151,13 @@ def load_plain(model: torch.nn.Module, opt: torch.optim.Optimizer, saved: dict[s
         for name, value in saved["params"].items():
             params[name].copy_(value)
     opt.load_state_dict(saved["state_dict"])
+
+
+def synchronizes_itself(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt`` exchanges what the ranks need itself (ours), or needs its gradients averaged first."""
+    from optim.local_optimizer import LocalOptimizer
+
+    return isinstance(opt, (_ShardedOptimizer, LocalOptimizer))
 
 
 def gradients_finite(model: torch.nn.Module) -> bool:

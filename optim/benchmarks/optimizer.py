@@ -16,6 +16,9 @@ initialisation on every rank) and, for each variant
   and ``local@D/overlap`` (``overlap=True``: each averaging beside the next
   forward and backward) and ``local@D/lean`` (the normalizer's second-moment
   EMA in bfloat16), when ``local_variant_rows`` is on as well,
+* ``local-adamw@D``: :class:`torch.optim.AdamW` wrapped by
+  :class:`optim.LocalOptimizer` at each density ``D`` with its defaults, when
+  ``local_adamw_rows`` is on,
 
 builds the optimizer exactly as the training job does
 (:func:`optim.train_job.train.build_optimizer`: weight decay on matrices, global-norm clip),
@@ -31,7 +34,8 @@ Per variant and rank it measures the median step time and the median time inside
 counted over the timed steps (per step, split by op), and the optimizer state this
 rank holds: master shard, ``exp_avg`` (plus ``exp_avg_sq`` for AdamW, plus the
 error-feedback residual when on; LocalAdamS: its full-size first moment, anchor
-and residual). Nothing here prints (``optim.cli.bench`` does).
+and residual; a wrapped AdamW: AdamW's own state, the anchor, the residual and
+the gradient's running mean). Nothing here prints (``optim.cli.bench`` does).
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ import torch
 import sparsecomm.distributed as dist
 from bindings.spawn import run_local
 from bindings.stats import op_delta
+from optim.local_optimizer import LocalOptimizer
 from optim.scape import SCAPE
 from optim.train_job.config import TrainConfig, build_optimizer
 from optim.train_job.data import VOCAB_SIZE
@@ -85,6 +90,7 @@ class OptimizerBenchConfig:
     inline_rows: bool = True  # Also time SCAPE with its mask piece built inside opt.step() (the old way).
     local_rows: bool = True  # Also time LocalAdamS (its defaults) at each density.
     local_variant_rows: bool = True  # And LocalAdamS with overlap=True, and with a bfloat16 normalizer EMA.
+    local_adamw_rows: bool = True  # Also time torch.optim.AdamW wrapped by LocalOptimizer at each density.
     scape_warmup_steps: int = 1  # SCAPE: dense steps before sparsity starts.
     mask_delay: int = 1  # SCAPE: the mask made after step t is used at step t + 1 + mask_delay.
     lr: float = 1e-3  # Constant learning rate of every optimizer.
@@ -165,6 +171,8 @@ def bench_variants(config: OptimizerBenchConfig) -> list[tuple[str, str, float]]
             out.append((f"local@{d:g}", "local-adams", float(d)))
             if config.local_variant_rows:
                 out += [(f"local@{d:g}/{v}", "local-adams", float(d)) for v in ("overlap", "lean")]
+    if config.local_adamw_rows:
+        out += [(f"local-adamw@{d:g}", "local-adamw", float(d)) for d in config.densities]
     return out
 
 
@@ -180,6 +188,13 @@ def _state_bytes(opt: Any) -> dict[str, int]:
     The master shard counts only where it is memory of its own: a master kept in the parameters
     themselves (SCAPE, LocalAdamS with fp32 parameters) is the model's memory, not the optimizer's.
     """
+    if isinstance(opt, LocalOptimizer):  # the wrapped optimizer's own state, then what the averaging keeps
+        parts: dict[str, int] = {}
+        for st in opt.state.values():
+            for name, t in st.items():
+                if isinstance(t, torch.Tensor) and t.dim() > 0:
+                    parts[name] = parts.get(name, 0) + t.numel() * t.element_size()
+        return {**parts, **{n: t.numel() * t.element_size() for n, t in opt.local_state.items()}}
     master = opt.master_shard
     in_params = any(master.untyped_storage().data_ptr() == p.untyped_storage().data_ptr() for p in opt.bucket.params)
     parts = {} if in_params else {"master": master.numel() * master.element_size()}

@@ -449,6 +449,7 @@ def _cmd_optimizer(args: argparse.Namespace) -> int:
             inline_rows=args.inline_rows,
             local_rows=args.local_rows,
             local_variant_rows=args.local_variant_rows,
+            local_adamw_rows=args.local_adamw_rows,
             scape_warmup_steps=args.scape_warmup_steps,
             mask_delay=args.mask_delay,
             seed=args.seed,
@@ -509,6 +510,12 @@ def _add_optimizer_parser(inner: Any) -> None:
         action=argparse.BooleanOptionalAction,
         default=d.local_variant_rows,
         help="with --local-rows, also time LocalAdamS with overlap=True and with a bfloat16 normalizer EMA",
+    )
+    p.add_argument(
+        "--local-adamw-rows",
+        action=argparse.BooleanOptionalAction,
+        default=d.local_adamw_rows,
+        help="also time torch.optim.AdamW wrapped by LocalOptimizer (local-adamw) at each density",
     )
     p.add_argument("--scape-warmup-steps", type=int, default=d.scape_warmup_steps, help="SCAPE: dense steps first")
     p.add_argument("--mask-delay", type=int, default=d.mask_delay, help="SCAPE: mask delay D")

@@ -9,6 +9,7 @@ from typing import Any
 
 from optim.benchmarks.output import write_bench_json
 from optim.local import LOCAL_SCHEDULES, NORMALIZERS, WINDOW_ORDERS
+from optim.local_optimizer import NOISE
 from optim.scape import MASK_SCORES, UNSELECTED_POLICIES
 from optim.train_job.config import LOCAL_MOMENTS, LOCAL_WIRES, TrainConfig
 from optim.train_job.tasks import ARCHS, CORPORA, TASKS
@@ -109,6 +110,13 @@ def add_scape_options(p: argparse.ArgumentParser, d: TrainConfig) -> None:
         action="store_true",
         help="LocalAdamS: each averaging (in codes) runs beside the next forward and backward and lands one step late",
     )
+    p.add_argument(
+        "--local-noise",
+        choices=NOISE,
+        default=d.local_noise,
+        help="local-adamw: shrink this rank's gradient's deviation from its running mean by sqrt(world_size) "
+        "before AdamW sees it (auto: shrink), or keep it",
+    )
     p.add_argument("--mask-delay", type=int, default=d.mask_delay, help="SCAPE: mask delay D")
     p.add_argument("--unselected", choices=UNSELECTED_POLICIES, default=d.unselected, help="SCAPE: unselected policy")
     p.add_argument("--error-feedback", action="store_true", help="SCAPE: keep the unsent gradient as a residual")
@@ -149,6 +157,7 @@ def scape_settings(args: argparse.Namespace) -> dict[str, Any]:
         "local_window_order": args.local_window_order,
         "local_moment": args.local_moment,
         "local_overlap": args.local_overlap,
+        "local_noise": args.local_noise,
         "local_normalizer_dtype": args.local_normalizer_dtype,
         "mask_delay": args.mask_delay,
         "unselected": args.unselected,

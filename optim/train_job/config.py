@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from optim.local import LOCAL_SCHEDULES, NORMALIZERS, WINDOW_ORDERS, LocalAdamS
-from optim.local_optimizer import LocalOptimizer
+from optim.local_optimizer import NOISE, LocalOptimizer
 from optim.scape import MASK_SCORES, SCAPE, UNSELECTED_POLICIES
 from optim.sharded import ShardedAdamS, ShardedAdamW
 from optim.topk import TopKAdamS
@@ -96,6 +96,7 @@ class TrainConfig:
     local_moment: str = "auto"  # LocalAdamS: auto | on | off: the window carries the first moment's changes too.
     local_normalizer_dtype: str = "float32"  # LocalAdamS: float32 | bfloat16 second-moment EMA of the normalizer.
     local_overlap: bool = False  # LocalAdamS: each averaging lands a step late, beside the next forward/backward.
+    local_noise: str = "auto"  # local-adamw: auto | shrink | keep this rank's gradient noise (optim.LocalOptimizer).
     unselected: str = "decay_m"  # SCAPE: policy of unselected coordinates (freeze | decay_m).
     error_feedback: bool = False  # SCAPE: keep the unsent gradient as a local residual.
     refresh_every: int = 0  # SCAPE: every this many steps a dense step (0: never).
@@ -148,6 +149,8 @@ class TrainConfig:
             raise ValueError(f"local_window_order must be one of {WINDOW_ORDERS}, got {self.local_window_order!r}")
         if self.local_normalizer_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"local_normalizer_dtype must be float32 or bfloat16, got {self.local_normalizer_dtype!r}")
+        if self.local_noise not in NOISE:
+            raise ValueError(f"local_noise must be one of {NOISE}, got {self.local_noise!r}")
         if not isinstance(self.local_overlap, bool):
             raise ValueError(f"local_overlap must be True or False, got {self.local_overlap!r}")
         if self.local_moment not in LOCAL_MOMENTS:
@@ -236,6 +239,7 @@ class TrainConfig:
                 **_local_wire_kwargs(self.local_wire),
                 "window_order": self.local_window_order,
                 "overlap": self.local_overlap,
+                "noise": self.local_noise,
             }
         if self.optimizer == "topk-adams":
             return {"density": self.density, "warmup_steps": self.sparse_warmup_steps}

@@ -128,7 +128,8 @@ class ResilienceConfig:
         """Raise ``ValueError`` for kills outside the run or a non-sharded optimizer."""
         if config.optimizer in TORCH_ADAMW:
             raise ValueError(
-                "resilient training needs one of our optimizers (adams, adamw, scape, local-adams, topk-adams), "
+                "resilient training needs one of our optimizers (adams, adamw, scape, local-adams, local-adamw, "
+                "topk-adams), "
                 f"not {config.optimizer}"
             )
         for slot, step in self.kills:

@@ -150,6 +150,9 @@ def _resume(rank: int, ws: int, averaging: str, cut: int) -> dict:
                     for p, v in zip(model.parameters(), saved["params"], strict=True):
                         p.copy_(v)
                 opt.load_state_dict(saved["state"])
+                assert opt.param_groups is opt.optimizer.param_groups  # type: ignore[attr-defined]
+            for group in opt.param_groups:  # a schedule drives the wrapped optimizer, also after a load
+                group["lr"] = 0.05 / (1 + t)
             opt.zero_grad()
             _loss(model, rank, t).backward()
             opt.step()

@@ -161,7 +161,7 @@ def test_hotswap_mid_run_is_bitwise_transparent(tmp_path: Path, reference) -> No
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("optimizer", ["adams", "adamw", "local-adams", "topk-adams"])
+@pytest.mark.parametrize("optimizer", ["adams", "adamw", "local-adams", "local-adamw", "topk-adams"])
 def test_hotswap_dense_baselines_are_bitwise_transparent(tmp_path: Path, reference, optimizer: str) -> None:
     config = _config(optimizer)
     ref = reference(config)
@@ -171,24 +171,26 @@ def test_hotswap_dense_baselines_are_bitwise_transparent(tmp_path: Path, referen
 
 
 @pytest.mark.timeout(240)
-def test_hotswap_local_adams_with_overlap_is_bitwise_transparent(tmp_path: Path, reference) -> None:
+@pytest.mark.parametrize("optimizer", ["local-adams", "local-adamw"])
+def test_hotswap_local_averaging_with_overlap_is_bitwise_transparent(tmp_path: Path, reference, optimizer: str) -> None:
     """The averaging in flight when a worker dies is sent again from the restored replicas, bit for bit."""
-    config = _config("local-adams", density=0.1, local_overlap=True)
+    config = _config(optimizer, density=0.1, local_overlap=True)
     ref = reference(config)
     run = run_resilient_training(config, _res(spares=1, kills=((1, 9),)), tmp_path)
-    _report("local-adams overlap kill 1@9", run)
+    _report(f"{optimizer} overlap kill 1@9", run)
     _assert_transparent(run, ref, STEPS, failures=1)
 
 
 @pytest.mark.timeout(240)
-def test_local_adams_shrink_goes_on_from_each_survivors_replica(tmp_path: Path) -> None:
+@pytest.mark.parametrize("optimizer", ["local-adams", "local-adamw"])
+def test_local_shrink_goes_on_from_each_survivors_replica(tmp_path: Path, optimizer: str) -> None:
     """No spare: the survivors shrink, each restores its own replica in the new layout, and they finish.
 
     A second kill names slot 3, which the shrink to three ranks removed: it is reported as not done.
     """
-    config = _config("local-adams", density=0.1)
+    config = _config(optimizer, density=0.1)
     run = run_resilient_training(config, _res(spares=0, kills=((1, 13), (3, 18))), tmp_path)
-    _report("local-adams kill 1@13, shrink", run)
+    _report(f"{optimizer} kill 1@13, shrink", run)
     assert run["status"] == 0, _tail(run)
     assert [(k["slot"], k["step"]) for k in run["kills"]] == [(1, 13)]
     assert run["missed_kills"] == [{"slot": 3, "step": 18}]
