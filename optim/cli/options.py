@@ -114,8 +114,8 @@ def add_scape_options(p: argparse.ArgumentParser, d: TrainConfig) -> None:
         "--local-noise",
         choices=NOISE,
         default=d.local_noise,
-        help="local-adamw: shrink this rank's gradient's deviation from its running mean by sqrt(world_size) "
-        "before AdamW sees it (auto: shrink), or keep it",
+        help="local-adamw: take the excess noise of this rank's gradient out of AdamW's second moment "
+        "(auto: debias), or keep it",
     )
     p.add_argument("--mask-delay", type=int, default=d.mask_delay, help="SCAPE: mask delay D")
     p.add_argument("--unselected", choices=UNSELECTED_POLICIES, default=d.unselected, help="SCAPE: unselected policy")

@@ -96,7 +96,7 @@ class TrainConfig:
     local_moment: str = "auto"  # LocalAdamS: auto | on | off: the window carries the first moment's changes too.
     local_normalizer_dtype: str = "float32"  # LocalAdamS: float32 | bfloat16 second-moment EMA of the normalizer.
     local_overlap: bool = False  # LocalAdamS: each averaging lands a step late, beside the next forward/backward.
-    local_noise: str = "auto"  # local-adamw: auto | shrink | keep this rank's gradient noise (optim.LocalOptimizer).
+    local_noise: str = "auto"  # local-adamw: auto | debias | keep: AdamW's second moment (optim.LocalOptimizer).
     unselected: str = "decay_m"  # SCAPE: policy of unselected coordinates (freeze | decay_m).
     error_feedback: bool = False  # SCAPE: keep the unsent gradient as a local residual.
     refresh_every: int = 0  # SCAPE: every this many steps a dense step (0: never).
