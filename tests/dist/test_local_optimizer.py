@@ -244,6 +244,11 @@ def _bad(rank: int, ws: int, case: str) -> str:
         kw = {"overlap": True, "wire_bits": None}
     elif mine == "clip":
         kw = {"max_grad_norm": -1.0}
+    elif mine == "debias-sgd":
+        inner = torch.optim.SGD(model.parameters(), lr=0.01)
+        kw = {"noise": "debias"}
+    elif mine == "noise":
+        kw = {"noise": "quiet"}
     try:
         LocalOptimizer(inner, model, **kw)  # type: ignore[arg-type]
     except (TypeError, ValueError) as exc:
@@ -266,6 +271,8 @@ def _bad(rank: int, ws: int, case: str) -> str:
         ("density", "ValueError", "density"),
         ("overlap-values", "ValueError", "overlap"),
         ("clip", "ValueError", "max_grad_norm"),
+        ("debias-sgd", "ValueError", "noise='debias'"),
+        ("noise", "ValueError", "Invalid noise"),
     ],
 )
 def test_bad_input_raises_on_every_rank(case: str, kind: str, words: str) -> None:
@@ -278,3 +285,35 @@ def test_a_bad_argument_on_one_rank_raises_on_both() -> None:
     res = run_ranks(_bad, 2, "one-rank-foreign", timeout=60)
     assert "not the model's" in res[1]
     assert res[0].startswith("ValueError") and "another rank rejected" in res[0]
+
+
+def _second_moments(rank: int, ws: int, noise: str) -> dict:
+    """AdamW at lr 0 on ``mu + e_rank`` (unit noise per rank), wrapped; and a dense AdamW on the ranks' mean."""
+    from optim import LocalOptimizer
+
+    n = 4000
+    model = torch.nn.Linear(n, 1, bias=False)
+    inner = torch.optim.AdamW(model.parameters(), lr=0.0, betas=(0.9, 0.95), weight_decay=0.0)
+    opt = LocalOptimizer(inner, model, density=0.1, warmup_steps=5, noise=noise)
+    ref = torch.nn.Parameter(torch.zeros(n))
+    dense = torch.optim.AdamW([ref], lr=0.0, betas=(0.9, 0.95), weight_decay=0.0)
+    mu = torch.linspace(-1.0, 1.0, n)
+    for t in range(200):
+        noises = [torch.randn(n, generator=torch.Generator().manual_seed(97 * t + r)) for r in range(ws)]
+        model.weight.grad = (mu + noises[rank]).view(1, n)
+        opt.step()
+        ref.grad = mu + torch.stack(noises).mean(0)
+        dense.step()
+    v = inner.state[model.weight]["exp_avg_sq"].view(-1)
+    return {"local": v.mean().item(), "dense": dense.state[ref]["exp_avg_sq"].mean().item()}
+
+
+@pytest.mark.parametrize("noise", ["debias", "keep"])
+def test_debias_gives_adamw_the_second_moment_of_the_averaged_gradient(noise: str) -> None:
+    """Dense: mean(mu**2) + 1/P = 0.33 + 0.25; one rank's own gradient: 0.33 + 1 (P = 4)."""
+    res = run_ranks(_second_moments, 4, noise, timeout=120)
+    for r in res:
+        if noise == "debias":
+            assert abs(r["local"] / r["dense"] - 1.0) < 0.1, r
+        else:
+            assert r["local"] / r["dense"] > 2.0, r
