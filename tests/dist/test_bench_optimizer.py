@@ -28,6 +28,8 @@ NAMES = [
     "local@0.01",
     "local@0.01/overlap",
     "local@0.01/lean",
+    "local-adamw@0.1",
+    "local-adamw@0.01",
 ]
 SHARDED = NAMES[:6]
 
@@ -110,11 +112,27 @@ def test_optimizer_bench_structure_and_sanity() -> None:
         assert overlap["wire_bytes_per_step_by_op"] == plain["wire_bytes_per_step_by_op"]
         assert lean["state_bytes_by_part"] == {**plain["state_bytes_by_part"], "exp_avg_sq": 2 * padded}
 
+    # a wrapped AdamW: AdamW's own two moments per parameter, the anchor and the owner's code residual;
+    # the same codes' bytes as LocalAdamS without its first moments
+    for d in ("0.1", "0.01"):
+        r = rows[f"local-adamw@{d}"]
+        assert r["state_bytes_by_part"] == {
+            "exp_avg": 4 * n,
+            "exp_avg_sq": 4 * n,
+            "anchor": 4 * padded,
+            "wire_residual": 4 * shard,
+        }
+        assert set(r["wire_bytes_per_step_by_op"]) == {"quantized_all_reduce"}
+    # 0.01: LocalAdamS averages no first moments either (its measured normalizer adds the noise sketch)
+    local_codes = rows["local@0.01"]["wire_bytes_per_step_by_op"]["quantized_all_reduce"]
+    assert rows["local-adamw@0.01"]["wire_bytes_per_step_by_op"]["quantized_all_reduce"] == local_codes
+
     assert rows["adams"]["speedup"] == pytest.approx(1.0)
     for r in rows.values():
         assert r["speedup"] == pytest.approx(rows["adams"]["step_ms"] / r["step_ms"])
     table = format_optimizer_table(bench).splitlines()
-    assert len(table) == 4 + len(NAMES) and table[-1].split()[0] == "local@0.01/lean"
+    assert len(table) == 4 + len(NAMES) and table[-1].split()[0] == "local-adamw@0.01"
     assert OptimizerBenchConfig(inline_rows=False).densities and [
-        n for n, _, _ in bench_variants(OptimizerBenchConfig(inline_rows=False, local_rows=False))
+        n
+        for n, _, _ in bench_variants(OptimizerBenchConfig(inline_rows=False, local_rows=False, local_adamw_rows=False))
     ] == ["adamw", "adams", "scape@0.1", "scape@0.01"]
