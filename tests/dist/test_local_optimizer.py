@@ -20,21 +20,9 @@ import pytest
 import torch
 
 from tests.dist.harness import run_ranks
+from tests.dist.test_local import STEPS, WARM, _loss, _model
 
 pytestmark = pytest.mark.dist
-
-STEPS, WARM = 9, 2
-
-
-def _model(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Tanh(), torch.nn.Linear(10, 3))
-
-
-def _loss(model: torch.nn.Module, rank: int, t: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1000 * t + rank)
-    x, y = torch.randn(12, 6, generator=g), torch.randint(0, 3, (12,), generator=g)
-    return torch.nn.functional.cross_entropy(model(x), y)
 
 
 def _flat(model: torch.nn.Module) -> list[float]:
