@@ -305,3 +305,25 @@ def test_debias_gives_adamw_the_second_moment_of_the_averaged_gradient(noise: st
             assert abs(r["local"] / r["dense"] - 1.0) < 0.1, r
         else:
             assert r["local"] / r["dense"] > 2.0, r
+
+
+def _scheduled(rank: int, ws: int) -> dict:
+    from optim import LocalOptimizer
+
+    model = _model()
+    opt = LocalOptimizer(torch.optim.AdamW(model.parameters(), lr=0.1), model, warmup_steps=1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    for t in range(3):
+        opt.zero_grad()
+        _loss(model, rank, t).backward()
+        opt.step()
+        sched.step()
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # replaces the wrapped optimizer's param groups
+    sched.step()
+    opt.close()
+    return {"inner": [g["lr"] for g in opt.optimizer.param_groups], "sched": sched.get_last_lr()}
+
+
+def test_an_lr_scheduler_over_the_wrapper_drives_the_wrapped_optimizer() -> None:
+    for r in run_ranks(_scheduled, 2, timeout=60):
+        assert r["inner"] == r["sched"] == [pytest.approx(0.1 / 5)]
