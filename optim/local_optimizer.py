@@ -48,11 +48,12 @@ import sparsecomm.distributed as dist
 from bindings import ReduceOp
 from optim.averaging import Averaging, ReplicaAverager
 from optim.buckets import FlatBucket
+from optim.noise import NoiseScale, check_noise_state, effective_world_size
 from optim.sharded import _ShardedOptimizer, agree
 
 __all__ = ["NOISE", "LocalOptimizer"]
 
-NOISE = ("auto", "debias", "keep")
+NOISE = ("auto", "measured", "debias", "keep")
 """Choices of ``LocalOptimizer(noise=...)``."""
 
 _DEBIASED = (torch.optim.Adam, torch.optim.AdamW)
@@ -159,9 +160,9 @@ class LocalOptimizer(Optimizer):
                 raise ValueError(f"Invalid max_grad_norm: {max_grad_norm!r} (must be >= 0)")
             if noise not in NOISE:
                 raise ValueError(f"Invalid noise: {noise!r} (must be one of {NOISE})")
-            if noise == "debias" and not _debiasable(optimizer):  # type: ignore[arg-type]
+            if noise in ("debias", "measured") and not _debiasable(optimizer):  # type: ignore[arg-type]
                 raise ValueError(
-                    f"noise='debias' corrects the second moment of torch.optim.Adam / AdamW without amsgrad, "
+                    f"noise={noise!r} corrects the second moment of torch.optim.Adam / AdamW without amsgrad, "
                     f"not of {type(optimizer).__name__}: use noise='keep'"
                 )
             self.averaging = Averaging.resolve(
@@ -196,8 +197,10 @@ class LocalOptimizer(Optimizer):
         b.bind_params(self._flat)  # the parameters are views of the replica: the averaging writes them in place
         self._grad = b.new_flat()
         self._avg = ReplicaAverager(self._comm, b, self.averaging, {"params": self._flat})
-        self.noise = noise if noise != "auto" else "debias" if _debiasable(optimizer) else "keep"
-        """``"debias"`` or ``"keep"`` (``"auto"`` resolved)."""
+        self.noise = noise if noise != "auto" else "measured" if _debiasable(optimizer) else "keep"
+        """``"measured"``, ``"debias"`` or ``"keep"`` (``"auto"`` resolved)."""
+        self.noise_scale: NoiseScale | None = NoiseScale() if self.noise == "measured" else None
+        """The measured share of the noise estimate that is noise across ranks (``noise="measured"``)."""
         self._step = 0
 
     # ------------------------------------------------------------------ torch.optim surface
@@ -298,8 +301,8 @@ class LocalOptimizer(Optimizer):
             params = [p for p in b.params if p.grad is not None]
             self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm))
         self.optimizer.step()
-        if self.noise == "debias" and t >= self.warmup_steps and b.world_size > 1:
-            self._debias()
+        if self.noise != "keep" and t >= self.warmup_steps and b.world_size > 1:
+            self._debias(t)
         self._avg.after_step(t)
         self._step = t + 1
         return loss
@@ -315,7 +318,7 @@ class LocalOptimizer(Optimizer):
             else:
                 p.grad.copy_(avg)  # type: ignore[union-attr]
 
-    def _debias(self) -> None:
+    def _debias(self, t: int) -> None:
         """Take this step's excess noise out of Adam's second moment ``v`` (the wrapped optimizer's ``exp_avg_sq``).
 
         A rank's gradient carries ``P`` times the noise variance of the averaged
@@ -324,10 +327,17 @@ class LocalOptimizer(Optimizer):
         estimates it, and ``v -= (1 - beta2) * (1 - 1/P) * var`` after every
         step keeps ``v`` the EMA of ``g**2 - (1 - 1/P) * var``: what the
         averaged gradient gives (the step itself normalized by ``1 - beta2``
-        of one term not yet debiased). Never below ``m_hat**2``.
+        of one term not yet debiased). Never below ``m_hat**2``. With
+        ``noise="measured"`` ``P`` is the effective one of the share of the
+        estimate measured to be noise across the ranks
+        (:class:`optim.noise.NoiseScale`, one all_reduce of 66 float32 values);
+        the rest is how the gradient moves over the steps, which dense Adam keeps.
         """
-        p_ = self._bucket.world_size
-        excess = 1.0 - 1.0 / p_
+        world = self._bucket.world_size
+        scale = self.noise_scale
+        p_ = world if scale is None else effective_world_size(scale.rho, world)
+        work: list[tuple[Tensor, Tensor, float, Tensor]] = []  # v, var, 1 - beta2, the floor c2 * m_hat**2
+        var_sum = torch.zeros((), dtype=torch.float64)
         for group in self.optimizer.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
@@ -336,11 +346,19 @@ class LocalOptimizer(Optimizer):
                     continue
                 k = float(st["step"])
                 c1, c2 = 1.0 - beta1**k, 1.0 - beta2**k
-                m, v = st["exp_avg"], st["exp_avg_sq"]
-                m2 = (m / c1).square_()
-                var = (v / c2).sub_(m2).clamp_(min=0.0)
-                v.sub_(var, alpha=(1.0 - beta2) * excess * p_)
-                torch.maximum(v, m2.mul_(c2), out=v)
+                v = st["exp_avg_sq"]
+                m2 = (st["exp_avg"] / c1).square_()
+                var = (v / c2).sub_(m2).clamp_(min=0.0).mul_(p_)
+                var_sum += var.sum(dtype=torch.float64)
+                work.append((v, var, 1.0 - beta2, m2.mul_(c2)))
+        if scale is not None:
+            self._bucket.gather_grads(self._grad)
+            rho = scale.measure(self._comm, self._grad, (1.0 - 1.0 / world) * float(var_sum), t)
+            p_ = effective_world_size(rho, world)
+        excess = 1.0 - 1.0 / p_
+        for v, var, one_minus_beta2, floor in work:
+            v.sub_(var, alpha=one_minus_beta2 * excess)
+            torch.maximum(v, floor, out=v)
 
     def wait_in_flight(self) -> None:
         """Wait until the averaging in flight (``overlap``) has moved its bytes; it still lands at the next step."""
@@ -408,6 +426,8 @@ class LocalOptimizer(Optimizer):
         b = self._bucket
         local: dict[str, Any] = {"step": self._step, "rank": b.rank, "world_size": b.world_size}
         local.update(self.local_state)
+        if self.noise_scale is not None:
+            local.update(self.noise_scale.state_dict())
         return {**self.optimizer.state_dict(), "local": local}
 
     @torch.no_grad()
@@ -436,6 +456,8 @@ class LocalOptimizer(Optimizer):
             src = local.get(name)
             if not isinstance(src, Tensor) or src.dim() != 1 or src.dtype != mine.dtype:
                 raise ValueError(f"state_dict: {name} missing or not a flat {mine.dtype} shard")
+        if self.noise_scale is not None:
+            check_noise_state(local)
         self._avg.quiesce()
         self.optimizer.load_state_dict({k: v for k, v in state_dict.items() if k != "local"})
         for name, mine in self._full_state().items():
@@ -443,4 +465,6 @@ class LocalOptimizer(Optimizer):
             mine[: b.numel].copy_(local[name][: b.numel])
         for name, mine in self._avg.own_state().items():
             b.take_own(mine, local[name], rank)
+        if self.noise_scale is not None:
+            self.noise_scale.load_state_dict(local)
         self._step = step
