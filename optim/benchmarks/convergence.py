@@ -62,7 +62,11 @@ METHODS = (
     "local-overlap",
     "local-lean",
     "local-adamw",
+    "local-adamw-debias",
     "local-adamw-keep",
+    "local-adamw-f32-measured",
+    "local-adamw-f32-debias",
+    "local-adamw-f32-keep",
     "local-bf16",
     "local-int8",
     "local-int4",
@@ -85,16 +89,17 @@ staggered window of changes in the codes of :func:`optim.local.auto_wire_bits`, 
 ``normalizer="auto"``, ``average_moment="auto"``); the defaults with each averaging landing a step late, its
 exchange beside the next step's compute (``local-overlap``); the defaults with the normalizer's second-moment EMA in
 bfloat16 (``local-lean``); :class:`torch.optim.AdamW` wrapped by :class:`optim.LocalOptimizer` with its defaults
-(``local-adamw``, judged against dense AdamW), and with this rank's gradient noise kept (``local-adamw-keep``); the
-defaults with the first moments averaged at every density or at none (``local-moment``, ``local-nomoment``: the
-defaults before ``average_moment``); the rest without them: the defaults with the debiased or the measured
-normalizer at every density (``local-debiased``, ``local-measured``); with the debiased normalizer and in the
-window's own order (contiguous) unless the name says otherwise: with ``B``-bit codes at every density (``local-
-intB``), with bfloat16 changes (``local-bf16``, the defaults before the codes), either order at every density
-(``local-contiguous``, ``local-spread``); bfloat16 changes with plain per-rank AdamS (``local-plain``), the
-defaults' codes and order with plain per-rank AdamS (``local-codes-plain``); float32 values and plain AdamS
-(``local-f32``); a periodic dense float32 average and plain AdamS (``periodic``); TopKAdamS (top-k + error
-feedback)."""
+(``local-adamw``, judged against dense AdamW), its second moment debiased by the whole estimate (``local-adamw-
+debias``) or not at all (``local-adamw-keep``), and each of the three with float32 values in the window (``local-
+adamw-f32-NOISE``: at density 1 the replicas are averaged in full after every step); the defaults with the first
+moments averaged at every density or at none (``local-moment``, ``local-nomoment``: the defaults before
+``average_moment``); the rest without them: the defaults with the debiased or the measured normalizer at every
+density (``local-debiased``, ``local-measured``); with the debiased normalizer and in the window's own order
+(contiguous) unless the name says otherwise: with ``B``-bit codes at every density (``local- intB``), with bfloat16
+changes (``local-bf16``, the defaults before the codes), either order at every density (``local-contiguous``,
+``local-spread``); bfloat16 changes with plain per-rank AdamS (``local-plain``), the defaults' codes and order with
+plain per-rank AdamS (``local-codes-plain``); float32 values and plain AdamS (``local-f32``); a periodic dense
+float32 average and plain AdamS (``periodic``); TopKAdamS (top-k + error feedback)."""
 
 _METHOD_OVERRIDES: dict[str, dict[str, Any]] = {
     "scape": {"optimizer": "scape"},
@@ -117,12 +122,24 @@ _METHOD_OVERRIDES: dict[str, dict[str, Any]] = {
         "local_wire": "auto",
         "local_window_order": "auto",
     },
-    "local-adamw-keep": {
-        "optimizer": "local-adamw",
-        "local_schedule": "staggered",
-        "local_wire": "auto",
-        "local_window_order": "auto",
-        "local_noise": "keep",
+    **{
+        f"local-adamw-{noise}": {
+            "optimizer": "local-adamw",
+            "local_schedule": "staggered",
+            "local_wire": "auto",
+            "local_window_order": "auto",
+            "local_noise": noise,
+        }
+        for noise in ("debias", "keep")
+    },
+    **{
+        f"local-adamw-f32-{noise}": {
+            "optimizer": "local-adamw",
+            "local_schedule": "staggered",
+            "local_wire": "float32",
+            "local_noise": noise,
+        }
+        for noise in ("measured", "debias", "keep")
     },
     "local-lean": {
         "optimizer": "local-adams",
