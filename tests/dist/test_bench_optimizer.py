@@ -112,8 +112,7 @@ def test_optimizer_bench_structure_and_sanity() -> None:
         assert overlap["wire_bytes_per_step_by_op"] == plain["wire_bytes_per_step_by_op"]
         assert lean["state_bytes_by_part"] == {**plain["state_bytes_by_part"], "exp_avg_sq": 2 * padded}
 
-    # a wrapped AdamW: AdamW's own two moments per parameter, the anchor and the owner's code residual;
-    # the same codes' bytes as LocalAdamS without its first moments
+    # a wrapped AdamW: AdamW's own two moments per parameter, the anchor and the owner's code residual
     for d in ("0.1", "0.01"):
         r = rows[f"local-adamw@{d}"]
         assert r["state_bytes_by_part"] == {
@@ -122,7 +121,9 @@ def test_optimizer_bench_structure_and_sanity() -> None:
             "anchor": 4 * padded,
             "wire_residual": 4 * shard,
         }
-        assert set(r["wire_bytes_per_step_by_op"]) == {"quantized_all_reduce"}
+        # the codes, and the measured noise's 66 float32 values (noise="auto" for AdamW)
+        assert set(r["wire_bytes_per_step_by_op"]) == {"quantized_all_reduce", "noise"}
+        assert r["wire_bytes_per_step_by_op"]["noise"] == rows["local@0.01"]["wire_bytes_per_step_by_op"]["noise"]
     # 0.01: LocalAdamS averages no first moments either (its measured normalizer adds the noise sketch)
     local_codes = rows["local@0.01"]["wire_bytes_per_step_by_op"]["quantized_all_reduce"]
     assert rows["local-adamw@0.01"]["wire_bytes_per_step_by_op"]["quantized_all_reduce"] == local_codes
