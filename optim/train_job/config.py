@@ -219,28 +219,23 @@ class TrainConfig:
         """The constructor arguments of the sparse choices beyond the dense ones (``{}`` for dense ones)."""
         if self.optimizer == "scape":
             return self.scape_kwargs()
+        averaging = {  # LocalAdamS's and LocalOptimizer's averaging (optim.averaging.Averaging)
+            "density": self.density,
+            "schedule": self.local_schedule,
+            "warmup_steps": self.sparse_warmup_steps,
+            **_local_wire_kwargs(self.local_wire),
+            "window_order": self.local_window_order,
+            "overlap": self.local_overlap,
+        }
         if self.optimizer == "local-adams":
             return {
-                "density": self.density,
-                "schedule": self.local_schedule,
-                "warmup_steps": self.sparse_warmup_steps,
-                **_local_wire_kwargs(self.local_wire),
+                **averaging,
                 "normalizer": self.local_normalizer,
-                "window_order": self.local_window_order,
                 "average_moment": LOCAL_MOMENTS[self.local_moment],
-                "overlap": self.local_overlap,
                 "normalizer_dtype": self.local_normalizer_dtype,
             }
         if self.optimizer == "local-adamw":
-            return {
-                "density": self.density,
-                "schedule": self.local_schedule,
-                "warmup_steps": self.sparse_warmup_steps,
-                **_local_wire_kwargs(self.local_wire),
-                "window_order": self.local_window_order,
-                "overlap": self.local_overlap,
-                "noise": self.local_noise,
-            }
+            return {**averaging, "noise": self.local_noise}
         if self.optimizer == "topk-adams":
             return {"density": self.density, "warmup_steps": self.sparse_warmup_steps}
         if self.optimizer == "ddp-sparse-adamw":
