@@ -99,6 +99,29 @@ def _check_inner(optimizer: object, model: object) -> None:
         )
 
 
+class _Wrapped:
+    """An attribute of the wrapped optimizer, read and written through the wrapper.
+
+    ``Optimizer.__init__`` sets it before the wrapped optimizer is attached: kept on the wrapper until then.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        inner = obj.__dict__.get("optimizer")
+        return getattr(inner, self.name) if inner is not None else obj.__dict__["_" + self.name]
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        inner = obj.__dict__.get("optimizer")
+        if inner is None:
+            obj.__dict__["_" + self.name] = value
+        else:
+            setattr(inner, self.name, value)
+
+
 class LocalOptimizer(Optimizer):
     """Wrap ``optimizer``: every rank steps its own replica; a window of the parameters is averaged after each step.
 
@@ -205,44 +228,9 @@ class LocalOptimizer(Optimizer):
 
     # ------------------------------------------------------------------ torch.optim surface
     # param_groups, state and defaults are the wrapped optimizer's, also after its load_state_dict replaced them
-    @property  # type: ignore[override]
-    def param_groups(self) -> list[dict[str, Any]]:
-        inner = self.__dict__.get("optimizer")
-        return inner.param_groups if inner is not None else self.__dict__["_groups"]
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        inner = self.__dict__.get("optimizer")
-        if inner is None:
-            self.__dict__["_groups"] = value  # Optimizer.__init__, before the wrapped one is attached
-        else:
-            inner.param_groups = value
-
-    @property  # type: ignore[override]
-    def state(self) -> Any:
-        inner = self.__dict__.get("optimizer")
-        return inner.state if inner is not None else self.__dict__["_state"]
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        inner = self.__dict__.get("optimizer")
-        if inner is None:
-            self.__dict__["_state"] = value
-        else:
-            inner.state = value
-
-    @property  # type: ignore[override]
-    def defaults(self) -> dict[str, Any]:
-        inner = self.__dict__.get("optimizer")
-        return inner.defaults if inner is not None else self.__dict__["_defaults"]
-
-    @defaults.setter
-    def defaults(self, value: dict[str, Any]) -> None:
-        inner = self.__dict__.get("optimizer")
-        if inner is None:
-            self.__dict__["_defaults"] = value
-        else:
-            inner.defaults = value
+    param_groups = _Wrapped("param_groups")  # type: ignore[assignment]
+    state = _Wrapped("state")  # type: ignore[assignment]
+    defaults = _Wrapped("defaults")  # type: ignore[assignment]
 
     @property
     def density(self) -> float:
