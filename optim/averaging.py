@@ -378,8 +378,8 @@ class Changes(_AtOnce):
 class Codes:
     """The changes since the anchor in low-bit codes with error feedback (:class:`CodeAverager`)."""
 
-    def __init__(self, comm: Any, quantizer: Quantizer, *, overlap: bool) -> None:
-        self.codes = CodeAverager(comm, quantizer, overlap=overlap)
+    def __init__(self, comm: Any, quantizer: Quantizer, *, overlap: bool, numel: int, own_numel: int) -> None:
+        self.codes = CodeAverager(comm, quantizer, overlap=overlap, numel=numel, own_numel=own_numel)
 
     def average(self, t: int, schedule: Schedule, tracked: list[Tracked]) -> None:
         self.codes.land()  # overlap: the averaging started after the last step
@@ -441,7 +441,7 @@ class ReplicaAverager:
             )
         self.encoding: Encoding
         if self.quantizer is not None:
-            self.encoding = Codes(comm, self.quantizer, overlap=a.overlap)
+            self.encoding = Codes(comm, self.quantizer, overlap=a.overlap, numel=b.numel, own_numel=b.real)
         elif anchored:
             self.encoding = Changes(comm, b.numel, b.padded_numel, a.wire_dtype, buffers["params"].device)
         else:

@@ -145,6 +145,8 @@ class _Exchange:
     slots: WindowSlots
     parts: list[_Part]
     late: bool
+    numel: int  # the buffers' elements before their padding
+    own_numel: int  # the elements of this rank's shard before the padding
     done: torch.futures.Future[None] | None = None
 
 
@@ -166,10 +168,16 @@ class CodeAverager:
         overlap: Run each averaging on a background thread beside the caller's
             next step and land it after that step (:meth:`land`); one such
             averager per communicator at a time.
+        numel: The buffers' elements before their padding.
+        own_numel: The elements of this rank's shard before the padding.
+            Landing keeps the padding of buffers, anchors and residuals zero
+            (codes need not decode a zero change to zero), so state restored
+            with zero padding averages as the original did.
     """
 
-    def __init__(self, comm: Any, quantizer: Quantizer, *, overlap: bool) -> None:
+    def __init__(self, comm: Any, quantizer: Quantizer, *, overlap: bool, numel: int, own_numel: int) -> None:
         self.comm, self.quantizer, self.overlap = comm, quantizer, overlap
+        self.numel, self.own_numel = numel, own_numel
         self._in_flight: _Exchange | None = None
         self._worker: SerialWorker[None] | None = None
 
@@ -189,7 +197,7 @@ class CodeAverager:
             anchor_rows = slots.sub_(change, anchor)
             mine, mine_rows = slots.read(residual)
             parts.append(_Part(buf, anchor, residual, change, anchor_rows, buf_rows, mine, mine_rows))
-        ex = _Exchange(step, slots, parts, late=self.overlap)
+        ex = _Exchange(step, slots, parts, late=self.overlap, numel=self.numel, own_numel=self.own_numel)
         if not self.overlap:
             _exchange(self.comm, self.quantizer, parts, late=False)
             _land(ex)
@@ -258,3 +266,6 @@ def _land(ex: _Exchange) -> None:
         assert part.error is not None
         ex.slots.write(part.residual, part.mine, part.mine_rows)
         ex.slots.land(part.buf, part.anchor, part.change, part.error, ex.late, part.anchor_rows, part.buf_rows)
+        part.buf[ex.numel :].zero_()
+        part.anchor[ex.numel :].zero_()
+        part.residual[ex.own_numel :].zero_()

@@ -171,6 +171,7 @@ class LocalOptimizer(Optimizer):
         window_order: str = "auto",
         overlap: bool = False,
         noise: str = "auto",
+        average_moment: bool | str = "auto",
         max_grad_norm: float = 0.0,
         group: Any = None,
     ) -> None:
@@ -188,6 +189,15 @@ class LocalOptimizer(Optimizer):
                     f"noise={noise!r} corrects the second moment of torch.optim.Adam / AdamW without amsgrad, "
                     f"not of {type(optimizer).__name__}: use noise='keep'"
                 )
+            if average_moment not in ("auto", True, False):
+                raise ValueError(f"Invalid average_moment: {average_moment!r} (must be 'auto', True or False)")
+            if average_moment is True and not _debiasable(optimizer):  # type: ignore[arg-type]
+                raise ValueError(
+                    "average_moment averages the first moment (exp_avg) of torch.optim.Adam / AdamW without "
+                    f"amsgrad, not of {type(optimizer).__name__}"
+                )
+            if not _debiasable(optimizer):  # type: ignore[arg-type]
+                average_moment = False
             self.averaging = Averaging.resolve(
                 density=density,
                 schedule=schedule,
@@ -195,8 +205,8 @@ class LocalOptimizer(Optimizer):
                 wire_dtype=wire_dtype,
                 wire_bits=wire_bits,
                 window_order=window_order,
-                average_moment=False,
                 overlap=overlap,
+                average_moment=average_moment,
             )
             """The averaging's settings, every ``"auto"`` resolved."""
             groups = [{"params": g["params"], "wd_min_ndim": 0} for g in optimizer.param_groups]
@@ -219,7 +229,12 @@ class LocalOptimizer(Optimizer):
         self._flat = b.new_flat()
         b.bind_params(self._flat)  # the parameters are views of the replica: the averaging writes them in place
         self._grad = b.new_flat()
-        self._avg = ReplicaAverager(self._comm, b, self.averaging, {"params": self._flat})
+        buffers = {"params": self._flat}
+        self._m: Tensor | None = None
+        if self.averaging.average_moment:
+            self._m = b.new_flat()  # the wrapped optimizer's exp_avg become views of it (_bind_moments)
+            buffers["exp_avg"] = self._m
+        self._avg = ReplicaAverager(self._comm, b, self.averaging, buffers)
         self.noise = noise if noise != "auto" else "measured" if _debiasable(optimizer) else "keep"
         """``"measured"``, ``"debias"`` or ``"keep"`` (``"auto"`` resolved)."""
         self.noise_scale: NoiseScale | None = NoiseScale() if self.noise == "measured" else None
@@ -288,12 +303,35 @@ class LocalOptimizer(Optimizer):
         if self.max_grad_norm > 0:
             params = [p for p in b.params if p.grad is not None]
             self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm))
+        self._bind_moments()  # a loaded state's exp_avg: into the averaged buffer before the step
         self.optimizer.step()
+        self._bind_moments()  # state made by this step
         if self.noise != "keep" and t >= self.warmup_steps and b.world_size > 1:
             self._debias(t)
         self._avg.after_step(t)
         self._step = t + 1
         return loss
+
+    def _bind_moments(self) -> None:
+        """Make the wrapped optimizer's ``exp_avg`` views of the averaged first moment, values kept.
+
+        Adam and AdamW make their state at a parameter's first step and
+        ``load_state_dict`` replaces it; both are rebound here, one pointer
+        comparison per parameter otherwise.
+        """
+        m = self._m
+        if m is None:
+            return
+        state = self.optimizer.state
+        for p, off in zip(self._bucket.params, self._bucket.offsets, strict=True):
+            st = state.get(p)
+            if not st or "exp_avg" not in st:
+                continue
+            view = m[off : off + p.numel()].view(p.shape)
+            cur = st["exp_avg"]
+            if cur.data_ptr() != view.data_ptr():
+                view.copy_(cur)
+                st["exp_avg"] = view
 
     def _average_grads(self) -> None:
         b, g = self._bucket, self._grad
@@ -448,6 +486,7 @@ class LocalOptimizer(Optimizer):
             check_noise_state(local)
         self._avg.quiesce()
         self.optimizer.load_state_dict({k: v for k, v in state_dict.items() if k != "local"})
+        self._bind_moments()
         for name, mine in self._full_state().items():
             mine.zero_()
             mine[: b.numel].copy_(local[name][: b.numel])

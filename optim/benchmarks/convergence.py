@@ -64,6 +64,8 @@ METHODS = (
     "local-adamw",
     "local-adamw-debias",
     "local-adamw-keep",
+    "local-adamw-moment",
+    "local-adamw-nomoment",
     "local-adamw-f32-measured",
     "local-adamw-f32-debias",
     "local-adamw-f32-keep",
@@ -131,6 +133,16 @@ _METHOD_OVERRIDES: dict[str, dict[str, Any]] = {
             "local_noise": noise,
         }
         for noise in ("debias", "keep")
+    },
+    **{
+        f"local-adamw-{name}": {
+            "optimizer": "local-adamw",
+            "local_schedule": "staggered",
+            "local_wire": "auto",
+            "local_window_order": "auto",
+            "local_moment": moment,
+        }
+        for name, moment in (("moment", "on"), ("nomoment", "off"))
     },
     **{
         f"local-adamw-f32-{noise}": {

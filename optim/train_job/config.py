@@ -93,7 +93,7 @@ class TrainConfig:
     local_wire: str = "auto"  # LocalAdamS: one of LOCAL_WIRES (auto codes, float32 values, bfloat16 or intB changes).
     local_normalizer: str = "auto"  # LocalAdamS: auto | debiased | measured | local (see optim.LocalAdamS).
     local_window_order: str = "auto"  # LocalAdamS: auto | contiguous | spread staggered window.
-    local_moment: str = "auto"  # LocalAdamS: auto | on | off: the window carries the first moment's changes too.
+    local_moment: str = "auto"  # LocalAdamS, local-adamw: auto | on | off: the window carries the first moment too.
     local_normalizer_dtype: str = "float32"  # LocalAdamS: float32 | bfloat16 second-moment EMA of the normalizer.
     local_overlap: bool = False  # LocalAdamS: each averaging lands a step late, beside the next forward/backward.
     local_noise: str = "auto"  # local-adamw: auto | debias | keep: AdamW's second moment (optim.LocalOptimizer).
@@ -235,7 +235,7 @@ class TrainConfig:
                 "normalizer_dtype": self.local_normalizer_dtype,
             }
         if self.optimizer == "local-adamw":
-            return {**averaging, "noise": self.local_noise}
+            return {**averaging, "noise": self.local_noise, "average_moment": LOCAL_MOMENTS[self.local_moment]}
         if self.optimizer == "topk-adams":
             return {"density": self.density, "warmup_steps": self.sparse_warmup_steps}
         if self.optimizer == "ddp-sparse-adamw":
