@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from optim.cli.bench_link import add_link_parser
 from optim.cli.bench_recovery import add_recovery_parser
 from optim.cli.bench_wallclock import add_wallclock_parser
 from optim.cli.options import add_model_options, add_scape_options, densities_arg, model_settings, scape_settings
+from optim.cli.render import add_render_parser
 from optim.train_job.config import TrainConfig
 
 __all__ = [
@@ -139,7 +141,7 @@ def _cmd_collectives(args: argparse.Namespace) -> int:
         print(format_collectives_table(dense_rows))
     if sparse_rows:
         print(format_sparse_table(sparse_rows))
-    _write_json(args.json, rows)
+    _write_json(args.json, rows, dataclasses.asdict(config))
     wrong = sum(r["#wrong"] for r in rows)
     if wrong:
         print(f"sparsecomm bench: {wrong} wrong elements", file=sys.stderr)
@@ -162,17 +164,19 @@ def _cmd_pack(args: argparse.Namespace) -> int:
             f"{r['kernel']:>9}{mark} {r['dtype']:>8} {r['numel']:>10} {r['density']:>7g} {r['k']:>9} "
             f"{r['pack_us']:>9.1f} {r['unpack_us']:>9.1f} {r['GBps']:>7.2f}"
         )
-    _write_json(args.json, rows)
+    config = {"device": str(device), "numel": args.numel, "densities": list(args.density), "dtypes": list(args.dtype)}
+    _write_json(args.json, rows, config)
     return 0
 
 
-def _write_json(path_text: str | None, rows: list[dict[str, Any]]) -> None:
+def _write_json(path_text: str | None, rows: list[dict[str, Any]], config: dict[str, Any]) -> None:
+    """Write ``rows`` as a JSON list, each row with the run's environment (commit included) and resolved config."""
     if not path_text:
         return
     path = Path(path_text)
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = bench_env()
-    path.write_text(json.dumps([{**r, "env": meta} for r in rows], indent=1))
+    path.write_text(json.dumps([{**r, "env": meta, "config": config} for r in rows], indent=1, default=str))
     print(f"wrote {path}")
 
 
@@ -581,3 +585,4 @@ def add_bench_parser(subparsers: Any) -> None:
     add_hooks_parser(inner)
     add_link_parser(inner)
     add_wallclock_parser(inner)
+    add_render_parser(inner)

@@ -8,10 +8,17 @@ from typing import Any
 
 from bindings.spawn import LocalRunError
 from optim.benchmarks.checkpoint import RECOVERY_PHASES, CheckpointBenchConfig, run_checkpoint_bench
+from optim.benchmarks.output import Table, text_table
 from optim.cli.bench_persist import add_persist_arguments, run_persist_command
 from optim.cli.options import or_dash, run_bench
 
-__all__ = ["add_checkpoint_parser", "format_checkpoint_table"]
+__all__ = [
+    "add_checkpoint_parser",
+    "format_checkpoint_table",
+    "loopback_table",
+    "recovery_split_table",
+    "snapshot_table",
+]
 
 _RECOVERY_LABELS = {
     "detect_s": "detect",
@@ -25,42 +32,54 @@ _RECOVERY_LABELS = {
 }
 
 
-def format_checkpoint_table(bench: dict[str, Any]) -> str:
-    """Three parts: snapshot overhead and bytes per run, the recovery split per run, the loopback transfer."""
-    c = bench["config"]
-    lines = [
-        f"# in-memory snapshots: {c['nproc']} ranks (gloo, local, {bench.get('cpu_count')} CPU cores, shared: "
-        f"timings are noisy); batch {c['batch']} x context {c['context']}; SCAPE density {c['density']:g}",
-        f"# step_ms: median over steps (max over ranks) of snapshot blocks (on) / blocks without (off) of "
-        f"{c['block']} steps, first step of each block and steps <= {c['skip_steps']} left out; "
-        "overhead = (on - off) / off; paired = median over (on block, next off block) pairs of on/off - 1",
-        "# snap_ms: snapshot time on the critical path (collect + submit + wait for the copy), median, max over "
-        "ranks; rings: host bytes of own + ward snapshot rings per rank; repl: replicated bytes per second of "
-        "replicator busy time",
-        f"{'optimizer':>11} {'model':>7} {'params':>9} {'n_on':>4} {'n_off':>5} {'step_ms_off':>11} "
-        f"{'step_ms_on':>10} {'overhead':>8} {'paired':>7} {'snap_ms':>7} {'own_MB':>7} {'ward_MB':>7} {'rings_MB':>8} "
-        f"{'repl_MB/s':>9}",
-    ]
+def snapshot_table(bench: dict[str, Any]) -> Table:
+    """One row per run: step time with and without snapshots, the overhead, the snapshot's time and ring bytes."""
+    rows = []
     for r in bench["rows"]:
         ov = r["overhead_fraction"]
-        gbps = r["replication_GBps"]
         pv = r.get("overhead_paired_median")
-        lines.append(
-            f"{r['name']:>11} {r['model']:>7} {r['num_parameters']:>9} {r['steps_on']:>4} {r['steps_off']:>5} "
-            f"{or_dash(r['step_ms_off'], '.1f'):>11} {or_dash(r['step_ms_on'], '.1f'):>10} "
-            f"{'-' if ov is None else f'{100 * ov:+.1f}%':>8} {'-' if pv is None else f'{100 * pv:+.1f}%':>7} "
-            f"{r['snapshot_ms_median']:>7.2f} "
-            f"{r['own_ring_bytes'] / 1e6:>7.2f} {r['ward_ring_bytes'] / 1e6:>7.2f} "
-            f"{r['ring_bytes_per_rank'] / 1e6:>8.2f} {'-' if gbps is None else f'{gbps * 1e3:.0f}':>9}"
+        gbps = r["replication_GBps"]
+        rows.append(
+            (
+                r["name"],
+                r["model"],
+                str(r["num_parameters"]),
+                str(r["steps_on"]),
+                str(r["steps_off"]),
+                or_dash(r["step_ms_off"], ".1f"),
+                or_dash(r["step_ms_on"], ".1f"),
+                "-" if ov is None else f"{100 * ov:+.1f}%",
+                "-" if pv is None else f"{100 * pv:+.1f}%",
+                f"{r['snapshot_ms_median']:.2f}",
+                f"{r['own_ring_bytes'] / 1e6:.2f}",
+                f"{r['ward_ring_bytes'] / 1e6:.2f}",
+                f"{r['ring_bytes_per_rank'] / 1e6:.2f}",
+                "-" if gbps is None else f"{gbps * 1e3:.0f}",
+            )
         )
-    lines.append(
-        f"# recovery: SIGKILL of slot 1 while step {c['kill_step']} runs, a spare takes its place (hot-swap), "
-        f"heartbeat timeout {c['heartbeat_timeout_s']} s; seconds; one run each; reconfig = detected to new epoch "
-        "configured; agree/transfer/restore/resnap = the members' restore phases (max over members); resume = "
-        "last restored to every member's first commit; gap = total minus the listed phases"
+    cols = (
+        "optimizer",
+        "model",
+        "params",
+        "n_on",
+        "n_off",
+        "step off (ms)",
+        "step on (ms)",
+        "overhead",
+        "paired",
+        "snapshot (ms)",
+        "own MB",
+        "ward MB",
+        "rings MB",
+        "repl MB/s",
     )
-    cols = ["optimizer", "model", *(_RECOVERY_LABELS[p] for p in RECOVERY_PHASES), "gap", "restored", "recomp"]
-    lines.append(" ".join(f"{h:>9}" for h in cols))
+    return Table(columns=cols, rows=tuple(rows), left=frozenset({0, 1}))
+
+
+def recovery_split_table(bench: dict[str, Any]) -> Table:
+    """One row per run: seconds of each phase of the hot-swap recovery, the restored step and the steps recomputed."""
+    cols = ("optimizer", "model", *(_RECOVERY_LABELS[p] for p in RECOVERY_PHASES), "gap", "restored", "recomp")
+    rows = []
     for r in bench["rows"]:
         rec = r["recovery"]
         cells = [
@@ -70,23 +89,60 @@ def format_checkpoint_table(bench: dict[str, Any]) -> str:
             or_dash(rec.get("gap_s"), ".3f"),
         ]
         cells += [str(rec.get("restore_step", "-")), str(rec.get("steps_recomputed", "-"))]
-        lines.append(" ".join(f"{x:>9}" for x in cells))
+        rows.append(tuple(cells))
+    return Table(columns=cols, rows=tuple(rows), left=frozenset({0, 1}))
+
+
+def loopback_table(bench: dict[str, Any]) -> Table:
+    """The snapshot transfer over the side channel: one way, and the replicator's exchange, each against the target."""
+    lb = bench["loopback"]
+    target = bench["target_GBps"]
+    rows = []
+    for what, gbps, secs in (
+        ("one-way send", lb["one_way_GBps"], lb["one_way_s_median"]),
+        (
+            "replicator exchange (both directions at once + copies), per direction",
+            lb["exchange_GBps"],
+            lb["exchange_s_median"],
+        ),
+    ):
+        rows.append((what, f"{gbps:.2f}", f"{secs * 1e3:.0f}", f">= {target:g}", "met" if gbps >= target else "MISS"))
+    cols = ("transfer", "GB/s", "ms", "target GB/s", "met?")
+    return Table(columns=cols, rows=tuple(rows), left=frozenset({0, 3, 4}))
+
+
+def format_checkpoint_table(bench: dict[str, Any]) -> str:
+    """Three parts: snapshot overhead and bytes per run, the recovery split per run, the loopback transfer."""
+    c = bench["config"]
+    lines = [
+        f"# in-memory snapshots: {c['nproc']} ranks (gloo, local, {bench.get('cpu_count')} CPU cores, shared: "
+        f"timings are noisy); batch {c['batch']} x context {c['context']}; SCAPE density {c['density']:g}",
+        f"# step: median over steps (max over ranks) of snapshot blocks (on) / blocks without (off) of "
+        f"{c['block']} steps, first step of each block and steps <= {c['skip_steps']} left out; "
+        "overhead = (on - off) / off; paired = median over (on block, next off block) pairs of on/off - 1",
+        "# snapshot: time on the critical path (collect + submit + wait for the copy), median, max over "
+        "ranks; rings: host bytes of own + ward snapshot rings per rank; repl: replicated bytes per second of "
+        "replicator busy time",
+        text_table(snapshot_table(bench), sep=" "),
+        f"# recovery: SIGKILL of slot 1 while step {c['kill_step']} runs, a spare takes its place (hot-swap), "
+        f"heartbeat timeout {c['heartbeat_timeout_s']} s; seconds; one run each; reconfig = detected to new epoch "
+        "configured; agree/transfer/restore/resnap = the members' restore phases (max over members); resume = "
+        "last restored to every member's first commit; gap = total minus the listed phases",
+        text_table(recovery_split_table(bench), width=9, sep=" "),
+    ]
+    for r in bench["rows"]:
+        rec = r["recovery"]
         if not rec.get("ok"):
-            lines.append(f"{'':>9} FAILED (job status {rec.get('status')}): {'; '.join(rec.get('errors') or ['?'])}")
+            errors = "; ".join(rec.get("errors") or ["?"])
+            lines.append(f"# {r['name']} {r['model']}: recovery FAILED (job status {rec.get('status')}): {errors}")
     lb = bench.get("loopback") or {}
     if lb:
-        target = bench["target_GBps"]
-        verdict = "ok" if min(lb["one_way_GBps"], lb["exchange_GBps"]) >= target else "MISS"
         lines.append(
             f"# loopback: {lb['nbytes'] / (1 << 20):.0f} MiB snapshot between 2 local ranks over the side channel "
-            f"(FaultAwareCommunicator side_channel=True, gloo TCP), median of {lb['iters']}"
+            f"(FaultAwareCommunicator side_channel=True, gloo TCP), median of {lb['iters']}; contents "
+            f"{'ok' if lb['exchange_correct'] else 'WRONG'}"
         )
-        lines.append(
-            f"one-way send {lb['one_way_GBps']:.2f} GB/s ({lb['one_way_s_median'] * 1e3:.0f} ms); replicator "
-            f"exchange (both directions at once + copies) {lb['exchange_GBps']:.2f} GB/s per direction "
-            f"({lb['exchange_s_median'] * 1e3:.0f} ms, contents {'ok' if lb['exchange_correct'] else 'WRONG'}); "
-            f"target >= {target:g} GB/s: {verdict}"
-        )
+        lines.append(text_table(loopback_table(bench), sep=" "))
     return "\n".join(lines)
 
 

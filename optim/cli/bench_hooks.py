@@ -8,29 +8,40 @@ from typing import Any
 
 from bindings.spawn import LocalRunError
 from optim.benchmarks.ddp_hooks import HookBenchConfig, run_hook_bench
-from optim.benchmarks.output import write_bench_json
+from optim.benchmarks.output import Table, markdown_table, write_bench_json
 from optim.cli.options import densities_arg
 
-__all__ = ["add_hooks_parser", "format_hook_table"]
+__all__ = ["add_hooks_parser", "format_hook_table", "hook_table"]
+
+
+def hook_table(bench: dict[str, Any]) -> Table:
+    """One row per hook: validation loss, training loss, wire bytes per step and step time, each vs plain DDP."""
+    rows = tuple(
+        (
+            r["name"],
+            f"{r['val_loss']:.3f}",
+            f"{r['val_ratio_to_ddp']:.3f}",
+            f"{r['train_loss']:.3f}",
+            f"{r['wire_bytes_per_step'] / 1e3:.1f} KB",
+            f"{r['wire_ratio_to_ddp']:.4f}",
+            f"{r['step_s_median'] * 1e3:.1f}",
+            f"{r['step_ratio_to_ddp']:.2f}",
+        )
+        for r in bench["rows"]
+    )
+    cols = ("hook", "val loss", "vs DDP", "train loss", "wire / step", "vs DDP", "step ms", "vs DDP")
+    return Table(columns=cols, rows=rows, left=frozenset({0}))
 
 
 def format_hook_table(bench: dict[str, Any]) -> str:
-    """One line per hook: validation loss, training loss, wire bytes per step and step time, each vs plain DDP."""
+    """:func:`hook_table` in Markdown under two lines saying what was measured."""
     c = bench["config"]
-    lines = [
+    head = (
         f"# {c['nproc']} gloo ranks, GPT d_model {c['d_model']} x {c['n_layers']} layers, batch {c['batch']} x "
-        f"{c['context']} per rank, {c['steps']} steps of AdamW (lr {c['lr']:g}), {c['start_iter']} dense first",
-        "# wire: bytes one rank sends per compressed step (ring formula); step: median, slowest rank",
-        "| hook | val loss | vs DDP | train loss | wire / step | vs DDP | step ms | vs DDP |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in bench["rows"]:
-        lines.append(
-            f"| {r['name']} | {r['val_loss']:.3f} | {r['val_ratio_to_ddp']:.3f} | {r['train_loss']:.3f} | "
-            f"{r['wire_bytes_per_step'] / 1e3:.1f} KB | {r['wire_ratio_to_ddp']:.4f} | "
-            f"{r['step_s_median'] * 1e3:.1f} | {r['step_ratio_to_ddp']:.2f} |"
-        )
-    return "\n".join(lines)
+        f"{c['context']} per rank, {c['steps']} steps of AdamW (lr {c['lr']:g}), {c['start_iter']} dense first\n"
+        "# wire: bytes one rank sends per compressed step (ring formula); step: median, slowest rank"
+    )
+    return head + "\n" + markdown_table(hook_table(bench))
 
 
 def _ranks(text: str) -> tuple[int, ...]:

@@ -8,33 +8,41 @@ from pathlib import Path
 from typing import Any
 
 from optim.benchmarks.links import LinkBenchConfig, run_link_bench
+from optim.benchmarks.output import Table, text_table
 from optim.cli.options import run_bench
 
-__all__ = ["add_link_parser", "format_link_table"]
+__all__ = ["add_link_parser", "format_link_table", "link_table"]
+
+
+def link_table(bench: dict[str, Any]) -> Table:
+    """One row per link rate: set rate, TCP payload rate, and the dense all_reduce's time and bus bandwidth."""
+    rows = []
+    for row in bench["rows"]:
+        set_gbps = row["set_gbps"]
+        rows.append(
+            (
+                row["link_rate"],
+                "-" if set_gbps is None else f"{set_gbps:.3f}",
+                f"{row['tcp_gbps']:.3f}",
+                "-" if set_gbps is None else f"{row['tcp_gbps'] / set_gbps:.2f}",
+                f"{row['allreduce_s']:.3f}",
+                f"{row['allreduce_busbw_gbps']:.3f}",
+            )
+        )
+    mib = bench["config"]["allreduce_bytes"] >> 20
+    cols = ("link rate", "set Gbit/s", "TCP Gbit/s", "TCP / set", f"all_reduce {mib} MiB (s)", "busbw Gbit/s")
+    return Table(columns=cols, rows=tuple(rows), left=frozenset({0}))
 
 
 def format_link_table(bench: dict[str, Any]) -> str:
-    """One row per link rate: set rate, TCP payload rate, and the dense all_reduce's time and bus bandwidth."""
+    """:func:`link_table` as fixed-width text under a line saying what was measured."""
     cfg = bench["config"]
     head = (
         f"# two hosts (network namespaces on one machine, {bench['cpus']} CPUs), a token bucket on both ends of "
         f"each link; TCP: one bulk transfer; all_reduce: gloo, {cfg['allreduce_bytes']} bytes, median of "
         f"{cfg['iters']}"
     )
-    cols = ["link rate", "set Gbit/s", "TCP Gbit/s", "TCP/set", "all_reduce s", "busbw Gbit/s"]
-    lines = [head, "  ".join(f"{c:>13}" for c in cols)]
-    for row in bench["rows"]:
-        set_gbps = row["set_gbps"]
-        cells = [
-            row["link_rate"],
-            "-" if set_gbps is None else f"{set_gbps:.3f}",
-            f"{row['tcp_gbps']:.3f}",
-            "-" if set_gbps is None else f"{row['tcp_gbps'] / set_gbps:.2f}",
-            f"{row['allreduce_s']:.3f}",
-            f"{row['allreduce_busbw_gbps']:.3f}",
-        ]
-        lines.append("  ".join(f"{c:>13}" for c in cells))
-    return "\n".join(lines)
+    return head + "\n" + text_table(link_table(bench), width=13)
 
 
 def _cmd_link(args: argparse.Namespace) -> int:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from optim.benchmarks.output import Table, text_table
 from optim.benchmarks.recovery import FAULTS, PHASES, RecoveryBenchConfig, run_recovery_bench
 from optim.cli.options import run_bench
 
-__all__ = ["add_recovery_parser", "format_recovery_table"]
+__all__ = ["add_recovery_parser", "format_recovery_table", "recovery_table"]
 
 _LABELS = {
     "raised_first_s": "first raised",
@@ -21,21 +22,36 @@ _LABELS = {
 }
 
 
+def recovery_table(bench: dict[str, Any], *, fault: str | None = None) -> Table:
+    """One row per (system, nproc, fault), or only ``fault``'s rows: median seconds from the signal to each phase.
+
+    A phase no row of the table reached is left out.
+    """
+    rows = [r for r in bench["rows"] if fault is None or r["fault"] == fault]
+    phases = [p for p in PHASES if any(r.get(p) is not None for r in rows)]
+    cols = ("system", "N", "fault", "runs", *(_LABELS[p] for p in phases))
+    cells = tuple(
+        (
+            row["system"],
+            str(row["nproc"]),
+            row["fault"],
+            str(len(row["runs"])),
+            *("-" if row.get(p) is None else f"{row[p]:.3f}" for p in phases),
+        )
+        for row in rows
+    )
+    return Table(columns=cols, rows=cells, left=frozenset({0, 2}))
+
+
 def format_recovery_table(bench: dict[str, Any]) -> str:
-    """One row per (system, nproc, fault): median seconds from the signal to each phase."""
+    """:func:`recovery_table` as fixed-width text under a line saying what was measured."""
     cfg = bench["config"]
     head = (
         f"# recovery after one fault in slot 1 (or the coordinator); {cfg['spares']} spare(s); heartbeat timeout "
         f"{cfg['heartbeat_timeout_s']} s; all_reduce of {cfg['numel']} floats + commit vote per step; "
         f"median of {cfg['repeats']} runs; seconds from the signal"
     )
-    cols = ["system", "nproc", "fault", "runs", *(_LABELS[p] for p in PHASES)]
-    lines = [head, "  ".join(f"{c:>16}" for c in cols)]
-    for row in bench["rows"]:
-        cells = [row["system"], str(row["nproc"]), row["fault"], str(len(row["runs"]))]
-        cells += ["-" if row.get(p) is None else f"{row[p]:.3f}" for p in PHASES]
-        lines.append("  ".join(f"{c:>16}" for c in cells))
-    return "\n".join(lines)
+    return head + "\n" + text_table(recovery_table(bench), width=16)
 
 
 def _cmd_recovery(args: argparse.Namespace) -> int:

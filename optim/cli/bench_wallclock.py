@@ -6,10 +6,11 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from optim.benchmarks.output import Table, text_table
 from optim.benchmarks.wallclock import METHODS, WallclockConfig, run_wallclock_bench
 from optim.cli.options import run_bench
 
-__all__ = ["add_wallclock_parser", "format_wallclock_table", "write_wallclock_plots"]
+__all__ = ["add_wallclock_parser", "format_wallclock_table", "wallclock_table", "write_wallclock_plots"]
 
 
 def _f(value: float | None, fmt: str) -> str:
@@ -18,6 +19,29 @@ def _f(value: float | None, fmt: str) -> str:
 
 def _rate(rate: str) -> str:
     return "unshaped" if rate == "none" else rate
+
+
+def wallclock_table(bench: dict[str, Any], *, rate: str | None = None) -> Table:
+    """One row per cell, or per cell over link ``rate`` (no link column then): times, bytes, loss, ratios to dense."""
+    cols = ("method", "seed", "step (ms)", "wait (ms)", "MB/step", "final val loss", "to target (s)", "x dense")
+    rows = []
+    for r in bench["rows"]:
+        if rate is not None and r["link_rate"] != rate:
+            continue
+        cells = (
+            r["method"],
+            str(r["seed"]),
+            f"{r['step_s'] * 1e3:.0f}",
+            _f(None if r["wait_s"] is None else r["wait_s"] * 1e3, ".0f"),
+            f"{r['bytes_per_step'] / 1e6:.3f}",
+            f"{r['final_val_loss']:.4f}" if rate is None else f"{r['final_val_loss']:.3f}",
+            _f(r["time_to_target_s"], ".1f"),
+            _f(r["speedup_vs_dense"], ".2f"),
+            _f(r["step_speedup_vs_dense"], ".2f"),
+        )
+        rows.append(cells if rate is not None else (r["link_rate"], *cells))
+    columns = (*cols, "step x") if rate is not None else ("link", *cols, "step x")
+    return Table(columns=columns, rows=tuple(rows), left=frozenset({0} if rate is not None else {0, 1}))
 
 
 def format_wallclock_table(bench: dict[str, Any]) -> str:
@@ -38,22 +62,7 @@ def format_wallclock_table(bench: dict[str, Any]) -> str:
             f"{link['allreduce_bytes'] >> 20} MiB {link['allreduce_s']:.3f} s "
             f"(busbw {link['allreduce_busbw_gbps']:.3f} Gbit/s)"
         )
-    cols = ["link", "method", "seed", "step ms", "wait ms", "MB/step", "final val", "to target s", "x dense", "step x"]
-    lines.append("  ".join(f"{c:>16}" for c in cols))
-    for r in rows:
-        cells = [
-            r["link_rate"],
-            r["method"],
-            str(r["seed"]),
-            f"{r['step_s'] * 1e3:.0f}",
-            _f(None if r["wait_s"] is None else r["wait_s"] * 1e3, ".0f"),
-            f"{r['bytes_per_step'] / 1e6:.3f}",
-            f"{r['final_val_loss']:.4f}",
-            _f(r["time_to_target_s"], ".1f"),
-            _f(r["speedup_vs_dense"], ".2f"),
-            _f(r["step_speedup_vs_dense"], ".2f"),
-        ]
-        lines.append("  ".join(f"{c:>16}" for c in cells))
+    lines.append(text_table(wallclock_table(bench), width=16))
     lines.append("# wins from which link rate: the fastest link at which a method reached the target sooner than dense")
     for method, win in bench.get("wins", {}).items():
         ratios = ", ".join(f"{_rate(rate)} {_f(x, '.2f')}x" for rate, x in win["speedup_by_rate"].items())
