@@ -24,10 +24,15 @@ step-to-step training-loss rise after warm-up. Nothing here prints or plots
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+import logging
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
+from optim.benchmarks.output import git_commit
 from optim.train_job.config import SPARSE_OPTIMIZERS, TrainConfig
 from optim.train_job.train import launch_local, wire_bytes_summary
 
@@ -52,6 +57,8 @@ ADAMW_BASED = ("local-adamw",)
 
 ADAMW_TARGETS = {0.1: 1.03, 0.01: 1.06}
 """Largest acceptable ratio of an AdamW-based method's validation loss to dense AdamW's, per density."""
+
+logger = logging.getLogger(__name__)
 
 OnRun = Callable[[dict[str, Any]], None]
 
@@ -317,12 +324,34 @@ def summarize_run(name: str, config: TrainConfig, result: dict[str, Any]) -> dic
     }
 
 
+def run_file_name(name: str, config: TrainConfig) -> str:
+    """The file of run ``name`` of ``config``: the name and a digest of every configuration field."""
+    text = json.dumps(dataclasses.asdict(config), sort_keys=True, default=str)
+    return f"{name}-{hashlib.blake2b(text.encode(), digest_size=6).hexdigest()}.json"
+
+
+def _stored_run(path: Path | None, commit: str) -> dict[str, Any] | None:
+    """The record in ``path`` if it was written at ``commit`` (a known one), else ``None``."""
+    if path is None or not path.is_file() or commit == "unknown":
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        logger.warning("convergence: ignoring the unreadable run file %s: %s", path, exc)
+        return None
+    if not isinstance(record, dict) or record.get("commit") != commit:
+        return None
+    logger.info("convergence: %s taken from %s", record.get("name"), path)
+    return record
+
+
 def run_convergence(
     base: TrainConfig,
     densities: Sequence[float] = DEFAULT_DENSITIES,
     *,
     methods: Sequence[str] = ("scape",),
     on_run: OnRun | None = None,
+    runs_dir: str | Path | None = None,
 ) -> dict[str, Any]:
     """Train ``base`` with every variant of :func:`convergence_variants`; return the benchmark record.
 
@@ -331,6 +360,10 @@ def run_convergence(
         densities: Densities of the sparse methods.
         methods: Sparse methods (:data:`METHODS`), each run at every density.
         on_run: Called with each run's record when it finishes.
+        runs_dir: Write each run's record to its own file here as it finishes
+            (:func:`run_file_name`) and take a run from its file instead of
+            training it when the file holds the same configuration and was
+            written at the same commit: an interrupted suite goes on where it stopped.
 
     Returns:
         ``runs`` (one :func:`summarize_run` record each, plus ``ratio_to_adams``
@@ -343,12 +376,22 @@ def run_convergence(
     """
     t_all = time.perf_counter()
     runs: list[dict[str, Any]] = []
+    commit = git_commit()
     for name, overrides in convergence_variants(densities, methods):
         config = dataclasses.replace(base, **overrides)
-        t0 = time.perf_counter()
-        result = launch_local(config)
-        record = summarize_run(name, config, result)
-        record["wall_time_s"] = time.perf_counter() - t0
+        path = None if runs_dir is None else Path(runs_dir) / run_file_name(name, config)
+        record = _stored_run(path, commit)
+        if record is None:
+            t0 = time.perf_counter()
+            result = launch_local(config)
+            record = summarize_run(name, config, result)
+            record["wall_time_s"] = time.perf_counter() - t0
+            record["commit"] = commit
+            if path is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(".tmp")
+                tmp.write_text(json.dumps(record, default=str))
+                tmp.replace(path)  # whole or absent: an interrupted run is run again
         runs.append(record)
         if on_run is not None:
             on_run(record)

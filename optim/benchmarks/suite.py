@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from optim.benchmarks.convergence import ADAMW_BASED, ADAMW_TARGETS, METHODS, TARGETS, run_convergence
@@ -146,6 +147,7 @@ def run_suite(
     seeds: Sequence[int] = (0,),
     overrides: dict[str, Any] | None = None,
     on_run: OnRun | None = None,
+    runs_dir: str | Path | None = None,
 ) -> dict[str, Any]:
     """Run the suite; return its record (see the module docstring).
 
@@ -160,6 +162,8 @@ def run_suite(
         overrides: TrainConfig fields applied on top of every setting (e.g.
             ``nproc``; not ``seed``, which ``seeds`` sets).
         on_run: Called with ``(setting, steps, run record)`` when a run finishes.
+        runs_dir: Each run's record in a file of its own here, taken from it
+            when run again at the same commit (see :func:`optim.benchmarks.convergence.run_convergence`).
 
     Returns:
         ``rows`` (one per setting, horizon and run, over the seeds), ``seed_rows``
@@ -195,7 +199,9 @@ def run_suite(
         for seed in seed_list:
             for steps in trained:
                 base = dataclasses.replace(probe, steps=steps, seed=seed)
-                bench = run_convergence(base, densities, methods=methods, on_run=_tagged(on_run, name, steps))
+                bench = run_convergence(
+                    base, densities, methods=methods, on_run=_tagged(on_run, name, steps), runs_dir=runs_dir
+                )
                 judged = [h for h in hs if h <= steps] if steps == hs[-1] and _is_constant(probe) else [steps]
                 for h in judged:
                     rows.extend({**r, "seed": seed} for r in _rows_at(name, h, steps, bench["runs"]))

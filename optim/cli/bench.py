@@ -256,6 +256,7 @@ def _cmd_suite(args: argparse.Namespace) -> int:
         )
 
     overrides: dict[str, Any] = {"nproc": args.nproc, "job_timeout_s": args.timeout}
+    out = Path(args.out)
     try:
         suite = run_suite(
             args.settings,
@@ -265,24 +266,28 @@ def _cmd_suite(args: argparse.Namespace) -> int:
             seeds=args.seeds if args.seeds is not None else (args.seed,),
             overrides=overrides,
             on_run=progress,
+            runs_dir=out / "runs",
         )
     except ValueError as exc:
         args.cmd_parser.error(str(exc))
     except LocalRunError as exc:
         print(f"sparsecomm bench convergence: error: {exc}", file=sys.stderr)
         return 1
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     json_path = write_bench_json(out / "suite.json", suite)
     png_path = write_suite_plot(suite, out / "suite.png")
-    print(
-        f"# {args.nproc} ranks; validation loss / dense ShardedAdamS, same seeds and data order per setting; "
-        f"seeds {','.join(map(str, suite['seeds']))} (cells: ratio of the mean over the seeds)"
+    text = "\n".join(
+        [
+            f"# {args.nproc} ranks; validation loss / dense ShardedAdamS, same seeds and data order per setting; "
+            f"seeds {','.join(map(str, suite['seeds']))} (cells: ratio of the mean over the seeds)",
+            format_suite_table(suite),
+            "# worst case over the suite",
+            format_worst_table(suite),
+        ]
     )
-    print(format_suite_table(suite))
-    print("# worst case over the suite")
-    print(format_worst_table(suite))
-    print(f"total {suite['wall_time_s']:.0f} s; wrote {json_path}, {png_path}")
+    (out / "suite.txt").write_text(text + "\n")
+    print(text)
+    print(f"total {suite['wall_time_s']:.0f} s; wrote {json_path}, {png_path}, {out / 'suite.txt'}, {out / 'runs'}/")
     return 0
 
 
