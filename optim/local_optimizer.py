@@ -17,19 +17,21 @@ bytes of a dense gradient all-reduce, every step.
 A rank's gradient carries ``world_size`` (P) times the noise variance of the
 averaged gradient a dense optimizer steps on. Adam's second moment holds that
 noise, so on its own gradient each replica would move its low-signal
-coordinates up to ``sqrt(P)`` times less than dense Adam (1.10x dense AdamW's
-validation loss in the worst suite cell, even with the replicas averaged in
-full after every step). For :class:`torch.optim.Adam` and
-:class:`torch.optim.AdamW`, ``noise="debias"`` (the default for them) takes
-the excess out of the wrapped optimizer's second moment after each local step
-(:meth:`LocalOptimizer._debias`); other optimizers step on their rank's
-gradient as it is. LocalAdamS's own debiased normalizer and its averaging of
-the first moments stay with it (AdamS's normalizer is built from the first
-moment).
+coordinates up to ``sqrt(P)`` times less than dense Adam, even with the
+replicas averaged in full after every step. For :class:`torch.optim.Adam` and
+:class:`torch.optim.AdamW` (without ``amsgrad``), ``noise="measured"`` (the
+default for them) takes out of the wrapped optimizer's second moment the
+share of that excess measured to be noise across the ranks
+(:meth:`LocalOptimizer._debias`), and ``average_moment`` lets the window carry
+their first moment (``exp_avg``) beside the parameters, so each replica steps
+on nearly the averaged gradient's moment; other optimizers step on their
+rank's gradient as it is. LocalAdamS's own normalizer stays with it (AdamS's
+normalizer is built from the first moment).
 
 Memory beside the inner optimizer's own state: the anchor (one fp32 copy of
-the model) and the owner's residual of the codes (one fp32 shard); the
-parameters become views of one flat fp32 buffer.
+the model) and the owner's residual of the codes (one fp32 shard), twice with
+``average_moment``; the parameters (and the averaged ``exp_avg``) become views
+of one flat fp32 buffer.
 """
 
 from __future__ import annotations
@@ -143,8 +145,15 @@ class LocalOptimizer(Optimizer):
         overlap: Land each averaging one step late, its exchange beside the next step (needs codes).
         noise: ``"debias"``: after each local step, take the excess noise of
             this rank's gradient out of the wrapped Adam's or AdamW's second
-            moment (``exp_avg_sq``, in its own state); ``"keep"``: leave it;
-            ``"auto"`` (default): debias for Adam and AdamW (without ``amsgrad``), keep for others.
+            moment (``exp_avg_sq``, in its own state); ``"measured"``: only the
+            share of it measured to be noise across the ranks (one small
+            all_reduce per step); ``"keep"``: leave it; ``"auto"`` (default):
+            measured for Adam and AdamW (without ``amsgrad``), keep for others.
+        average_moment: ``True``: the window carries the wrapped Adam's or
+            AdamW's first moment (``exp_avg``) too, in the same codes (twice the
+            positions per byte: narrower codes); ``"auto"`` (default): as
+            :class:`optim.LocalAdamS` decides it (with codes that cover at least
+            half of every shard per step), and off for other optimizers.
         max_grad_norm: Clip the gradient the wrapped optimizer sees (the
             averaged one in the warm-up, this rank's own after it) to this
             global norm; 0 (default): no clipping.

@@ -271,6 +271,13 @@ def _bad(rank: int, ws: int, case: str) -> str:
         kw = {"noise": "debias"}
     elif mine == "noise":
         kw = {"noise": "quiet"}
+    elif mine == "moment-sgd":
+        inner = torch.optim.SGD(model.parameters(), lr=0.01)
+        kw = {"average_moment": True, "noise": "keep"}
+    elif mine == "moment":
+        kw = {"average_moment": "yes"}
+    elif mine == "moment-values":
+        kw = {"average_moment": True, "wire_bits": None}
     try:
         LocalOptimizer(inner, model, **kw)  # type: ignore[arg-type]
     except (TypeError, ValueError) as exc:
@@ -295,6 +302,9 @@ def _bad(rank: int, ws: int, case: str) -> str:
         ("clip", "ValueError", "max_grad_norm"),
         ("debias-sgd", "ValueError", "noise='debias'"),
         ("noise", "ValueError", "Invalid noise"),
+        ("moment-sgd", "ValueError", "exp_avg"),
+        ("moment", "ValueError", "Invalid average_moment"),
+        ("moment-values", "ValueError", "set wire_bits"),
     ],
 )
 def test_bad_input_raises_on_every_rank(case: str, kind: str, words: str) -> None:
