@@ -150,10 +150,12 @@ class LocalOptimizer(Optimizer):
             all_reduce per step); ``"keep"``: leave it; ``"auto"`` (default):
             measured for Adam and AdamW (without ``amsgrad``), keep for others.
         average_moment: ``True``: the window carries the wrapped Adam's or
-            AdamW's first moment (``exp_avg``) too, in the same codes (twice the
-            positions per byte: narrower codes); ``"auto"`` (default): as
-            :class:`optim.LocalAdamS` decides it (with codes that cover at least
-            half of every shard per step), and off for other optimizers.
+            AdamW's first moment (``exp_avg``) too, in the same codes (two
+            buffers per byte budget: narrower codes or a narrower window);
+            ``"auto"`` (default) or ``False``: only the parameters. Unlike
+            LocalAdamS, whose normalizer is built from the first moment, the
+            wrapped AdamW gained nothing from it in the convergence suite
+            (``benchmarks/README.md``), so it is off unless asked for.
         max_grad_norm: Clip the gradient the wrapped optimizer sees (the
             averaged one in the warm-up, this rank's own after it) to this
             global norm; 0 (default): no clipping.
@@ -205,8 +207,8 @@ class LocalOptimizer(Optimizer):
                     "average_moment averages the first moment (exp_avg) of torch.optim.Adam / AdamW without "
                     f"amsgrad, not of {type(optimizer).__name__}"
                 )
-            if not _debiasable(optimizer):  # type: ignore[arg-type]
-                average_moment = False
+            if average_moment == "auto" or not _debiasable(optimizer):  # type: ignore[arg-type]
+                average_moment = False  # auto: off (see the argument's documentation)
             self.averaging = Averaging.resolve(
                 density=density,
                 schedule=schedule,
@@ -363,21 +365,28 @@ class LocalOptimizer(Optimizer):
         step keeps ``v`` the EMA of ``g**2 - (1 - 1/P) * var``: what the
         averaged gradient gives (the step itself normalized by ``1 - beta2``
         of one term not yet debiased). Never below ``m_hat**2``. With
+        ``average_moment`` the first moment is the averaged one, which holds
+        little noise: ``m_hat**2`` no longer keeps ``v`` up, and a term that
+        takes out more than ``g**2`` brought in lets ``v`` collapse and the step
+        blow up; there each step's term, ``g**2 - (1 - 1/P) * var``, is kept at
+        or above zero (``v`` decays at most as a dense EMA does). With
         ``noise="measured"`` ``P`` is the effective one of the share of the
         estimate measured to be noise across the ranks
-        (:class:`optim.noise.NoiseScale`, one all_reduce of 66 float32 values);
-        the rest is how the gradient moves over the steps, which dense Adam keeps.
+        (:class:`optim.noise.NoiseScale`, one small all_reduce per step); the
+        rest is how the gradient moves over the steps, which dense Adam keeps.
+        The gradient is ``p.grad`` (after clipping): Adam's own L2 term
+        (``torch.optim.Adam`` with ``weight_decay``) is not in it.
         """
         world = self._bucket.world_size
         scale = self.noise_scale
         p_ = world if scale is None else effective_world_size(scale.rho, world)
-        work: list[tuple[Tensor, Tensor, float, Tensor]] = []  # v, var, 1 - beta2, the floor c2 * m_hat**2
+        work: list[tuple[Tensor, Tensor, Tensor, float, Tensor]] = []  # v, g, var, 1 - beta2, floor c2 * m_hat**2
         var_sum = torch.zeros((), dtype=torch.float64)
         for group in self.optimizer.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
                 st = self.optimizer.state.get(p)
-                if not st or "exp_avg_sq" not in st:
+                if not st or "exp_avg_sq" not in st or p.grad is None:
                     continue
                 k = float(st["step"])
                 c1, c2 = 1.0 - beta1**k, 1.0 - beta2**k
@@ -385,14 +394,18 @@ class LocalOptimizer(Optimizer):
                 m2 = (st["exp_avg"] / c1).square_()
                 var = (v / c2).sub_(m2).clamp_(min=0.0).mul_(p_)
                 var_sum += var.sum(dtype=torch.float64)
-                work.append((v, var, 1.0 - beta2, m2.mul_(c2)))
+                work.append((v, p.grad, var, 1.0 - beta2, m2.mul_(c2)))
         if scale is not None:
             self._bucket.gather_grads(self._grad)
             rho = scale.measure(self._comm, self._grad, (1.0 - 1.0 / world) * float(var_sum), t)
             p_ = effective_world_size(rho, world)
         excess = 1.0 - 1.0 / p_
-        for v, var, one_minus_beta2, floor in work:
-            v.sub_(var, alpha=one_minus_beta2 * excess)
+        for v, g, var, one_minus_beta2, floor in work:
+            if self._m is None:
+                v.sub_(var, alpha=one_minus_beta2 * excess)
+            else:
+                g2 = g.square()
+                v.add_((g2 - var * excess).clamp_(min=0.0).sub_(g2), alpha=one_minus_beta2)
             torch.maximum(v, floor, out=v)
 
     def wait_in_flight(self) -> None:

@@ -72,7 +72,6 @@ METHODS = (
     "local-adamw-debias",
     "local-adamw-keep",
     "local-adamw-moment",
-    "local-adamw-nomoment",
     "local-adamw-f32-measured",
     "local-adamw-f32-debias",
     "local-adamw-f32-keep",
@@ -100,7 +99,8 @@ exchange beside the next step's compute (``local-overlap``); the defaults with t
 bfloat16 (``local-lean``); :class:`torch.optim.AdamW` wrapped by :class:`optim.LocalOptimizer` with its defaults
 (``local-adamw``, judged against dense AdamW), its second moment debiased by the whole estimate (``local-adamw-
 debias``) or not at all (``local-adamw-keep``), and each of the three with float32 values in the window (``local-
-adamw-f32-NOISE``: at density 1 the replicas are averaged in full after every step); the defaults with the first
+adamw-f32-NOISE``: at density 1 the replicas are averaged in full after every step), its first moment averaged too
+(``local-adamw-moment``); the defaults with the first
 moments averaged at every density or at none (``local-moment``, ``local-nomoment``: the defaults before
 ``average_moment``); the rest without them: the defaults with the debiased or the measured normalizer at every
 density (``local-debiased``, ``local-measured``); with the debiased normalizer and in the window's own order
@@ -149,7 +149,7 @@ _METHOD_OVERRIDES: dict[str, dict[str, Any]] = {
             "local_window_order": "auto",
             "local_moment": moment,
         }
-        for name, moment in (("moment", "on"), ("nomoment", "off"))
+        for name, moment in (("moment", "on"),)
     },
     **{
         f"local-adamw-f32-{noise}": {

@@ -42,14 +42,17 @@ AVERAGING = {
     "f32-spread": dict(density=0.1, wire_dtype=torch.float32, window_order="spread"),
     "overlap": dict(density=0.1, overlap=True),
 }
-MOMENT_OFF = {"overlap-moment-off": dict(density=0.1, overlap=True, average_moment=False)}
-"""Settings only a wrapped Adam(W) takes (``average_moment``; at 0.1 with codes it is on by default)."""
+MOMENT = {
+    "codes-0.1-moment": dict(density=0.1, average_moment=True),
+    "overlap-moment": dict(density=0.1, overlap=True, average_moment=True),
+}
+"""Settings only a wrapped Adam(W) takes (``average_moment``)."""
 
 
 def _build(kind: str, model: torch.nn.Module, averaging: str) -> torch.optim.Optimizer:
     from optim import AdamS, LocalAdamS, LocalOptimizer
 
-    kw = {**AVERAGING, **MOMENT_OFF}[averaging]
+    kw = {**AVERAGING, **MOMENT}[averaging]
     if kind == "local-adams":
         return LocalAdamS(
             model.parameters(),
@@ -145,7 +148,7 @@ def _moments(rank: int, ws: int, average_moment: bool) -> dict:
 
 
 def test_average_moment_averages_the_wrapped_adamws_first_moment() -> None:
-    """At 0.1 in codes the window carries AdamW's exp_avg too (the default): the replicas' moments stay close."""
+    """With ``average_moment`` the window carries AdamW's exp_avg too: the replicas' moments stay close."""
     on = run_ranks(_moments, 2, True, timeout=120)
     off = run_ranks(_moments, 2, False, timeout=120)
     assert on[0]["on"] and not off[0]["on"]
@@ -190,7 +193,9 @@ def _resume(rank: int, ws: int, averaging: str, cut: int) -> dict:
     return {"equal": runs[0] == runs[1]}
 
 
-@pytest.mark.parametrize("averaging", ["codes-0.01", "codes-0.1", "overlap", "overlap-moment-off", "bf16"])
+@pytest.mark.parametrize(
+    "averaging", ["codes-0.01", "codes-0.1", "overlap", "codes-0.1-moment", "overlap-moment", "bf16"]
+)
 def test_state_dict_resumes_bit_for_bit(averaging: str) -> None:
     res = run_ranks(_resume, 2, averaging, 5, timeout=120)
     assert all(r["equal"] for r in res)
