@@ -6,7 +6,9 @@ from the launcher (:meth:`Coordinator.notify_exit`) and about transport errors
 from the members (suspicion records), and forms each new epoch's
 :class:`~resilient_comm.view.View`. Members talk to it only through store keys
 (:mod:`resilient_comm.keys`); the data plane (one process group per epoch)
-never passes through it.
+never passes through it. What the coordinator knows about the processes
+(registrations, heartbeats, leaves, exits, suspicions, the spares) is kept by
+its :class:`~resilient_comm.roster.Roster`; this module forms the epochs from it.
 
 Protocol of one reconfiguration, from epoch ``e``:
 
@@ -50,15 +52,13 @@ from bindings.errors import CommError
 from bindings.etcd_store import EtcdStore
 from bindings.store import open_store
 from resilient_comm import keys
-from resilient_comm.auth import ControlStore, RecordError
+from resilient_comm.auth import ControlStore
 from resilient_comm.beacon import BeaconListener
 from resilient_comm.config import CoordinatorConfig
 from resilient_comm.errors import MembershipError
 from resilient_comm.events import EventLog
-from resilient_comm.evidence import Suspicion, refusal_fields
-from resilient_comm.heartbeats import Heartbeats
-from resilient_comm.inbox import Inbox
-from resilient_comm.plan import majority, plan_next_epoch
+from resilient_comm.plan import plan_next_epoch
+from resilient_comm.roster import Roster
 from resilient_comm.standby import FencedError, Handover, Leadership
 from resilient_comm.view import MemberInfo, View
 
@@ -103,27 +103,21 @@ class Coordinator:
         self._beacon: BeaconListener | None = None
         self._done = threading.Event()
         self._completed = False
-        self._reset()
         self._failed: str | None = None
+        self._roster = self._new_roster()
+        self._view: View | None = None
+        self._saved: str | None = None  # the state last kept in the store (etcd only)
+        self._shutdown = False
+
+    def _new_roster(self) -> Roster:
+        return Roster(self.config, self.log, lambda: self.view, self._exits)
 
     def _reset(self) -> None:
         """Forget everything learnt about the job (a coordinator taking over reads it back from the store)."""
+        self._roster = self._new_roster()
         with self._lock:
-            self._members: dict[int, MemberInfo] = {}
-            self._spares: list[int] = []
-            self._view: View | None = None
-        self._hb = Heartbeats(self.config.heartbeat_timeout.total_seconds())
-        self._dead, self._left = set[int](), set[int]()  # members dead / gone cleanly
-        self._silenced = set[int]()  # dead for silence alone before the job started: revived if they beat again
-        self._left_count = 0  # the members' leave counter when it was last read
-        self._registrations: Inbox | None = None
-        self._suspicions: Inbox | None = None
-        self._refusals: Inbox | None = None
-        self._suspected: set[int] = set()  # epochs with a suspicion not yet acted on
-        self._stalled: set[str] = set()  # kinds of silence without quorum being waited out (logged once each)
-        self._patience_s = (self.config.heartbeat_timeout + self.config.stall_grace).total_seconds()
-        self._saved: str | None = None  # the state last kept in the store (etcd only)
-        self._refusal_count, self._shutdown = 0, False
+            self._view = None
+        self._saved, self._shutdown = None, False
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -145,17 +139,11 @@ class Coordinator:
         self._thread.start()
         logger.info("coordinator for job %s on %s", cfg.job, self.address)
 
-    def _inboxes(self) -> ControlStore:
-        store, patience = self._store, self._patience_s
-        assert store is not None
-        self._registrations = Inbox(store, keys.MEMBERS_NEXT, lambda i: store.private(keys.member(i)), patience)
-        self._suspicions = Inbox(store, keys.SUSPECT_NEXT, lambda i: store.private(keys.suspect(i)), patience)
-        self._refusals = Inbox(store, keys.REFUSED_NEXT, keys.refused, patience, read=store.unverified)
-        return store
-
     def _begin_job(self) -> None:
         """Write a new job's first records (the job id last: members wait for it)."""
-        store = self._inboxes()
+        store = self._store
+        assert store is not None
+        self._roster.open(store)
         if self.config.secret is not None:
             store.raw.set(keys.AUTH, keys.AUTH_HMAC.decode())
         store.set(keys.EPOCH, "-1")
@@ -180,30 +168,30 @@ class Coordinator:
                 self._begin_job()
                 self.log.emit("coordinator_elected", epoch=None, resumed=False)
             return
-        if not observe or self._registrations is None:
+        if not observe or not self._roster.opened:
             self._reset()
-            self._inboxes()
-        assert self._registrations is not None and self._refusals is not None
-        for idx, record in self._registrations.poll():
-            self._register(idx, record, t0, announce=False)
+            self._roster.open(store)
+        roster = self._roster
+        roster.adopt(t0)
         try:
-            state = Handover.read(store, self.config.job, self._members)
+            state = Handover.read(store, self.config.job, roster.members)
         except ValueError as exc:
             raise _JobFailed(str(exc)) from exc
-        self._dead, self._left, self._shutdown = set(state.dead), set(state.left), state.shutdown
+        roster.restore(state.dead, state.left, state.spares)
+        self._shutdown = state.shutdown
         with self._lock:
-            self._view, self._spares = state.view, list(state.spares)
+            self._view = state.view
         if observe:
             if state.shutdown:
                 raise _JobEnded()
             return
-        self._refusals.poll()  # logged by the coordinator they came to
+        roster.skip_refusals()  # logged by the coordinator they came to
         self._publish_beacon()
         if state.shutdown:  # the job ended under the coordinator before: see the last processes out
             self._completed = self._store.raw.check([keys.COMPLETED]) if self._store is not None else False
         if state.reconfiguring:
-            self._suspected.add(state.epoch)  # a reconfiguration was under way: finish it
-        took = {"members": sorted(self._members), "spares": list(state.spares), "restore_s": time.monotonic() - t0}
+            roster.suspected.add(state.epoch)  # a reconfiguration was under way: finish it
+        took = {"members": sorted(roster.members), "spares": list(state.spares), "restore_s": time.monotonic() - t0}
         self.log.emit("coordinator_elected", epoch=state.epoch, resumed=True, **took)  # type: ignore[arg-type]
         if state.view is not None and not state.reconfiguring:
             self._await_configured(state.view)
@@ -211,7 +199,8 @@ class Coordinator:
     def _save_state(self) -> None:
         """Keep what a coordinator taking over cannot read elsewhere (etcd only)."""
         if self._leadership is not None and self._store is not None:
-            self._saved = Handover.save(self._store, self._dead, self._left, self._spares, self._saved)
+            roster = self._roster
+            self._saved = Handover.save(self._store, roster.dead, roster.left, roster.live_spares(), self._saved)
 
     def stop(self) -> None:
         """Stop the control loop and close the store (an etcd lease is given up: a standby takes over). Idempotent."""
@@ -293,13 +282,11 @@ class Coordinator:
 
     def members(self) -> dict[int, MemberInfo]:
         """Every member that registered so far, by index."""
-        with self._lock:
-            return dict(self._members)
+        return self._roster.known()
 
     def spares(self) -> list[int]:
         """Member indices of the live spares, in promotion order."""
-        with self._lock:
-            return list(self._spares)
+        return self._roster.live_spares()
 
     def notify_exit(self, pid: int, returncode: int) -> None:
         """Tell the coordinator a process it may know has exited (thread-safe)."""
@@ -352,27 +339,28 @@ class Coordinator:
             if view is None:
                 self._maybe_start(time.monotonic() - started)
                 if self.view is None and time.monotonic() - started > self.config.start_timeout.total_seconds():
-                    raise _JobFailed(f"only {self._live_actives()} of {self.config.world_size} members registered")
+                    raise _JobFailed(
+                        f"only {self._roster.live_actives()} of {self.config.world_size} members registered"
+                    )
             elif self._shutdown:
                 if self._completed or self._leadership is not None:
                     self._see_out()
                     return
-            elif any(m in self._left for m in view.members) and all(
-                m in self._dead or m in self._left for m in view.members
+            elif any(m in self._roster.left for m in view.members) and all(
+                m in self._roster.dead or m in self._roster.left for m in view.members
             ):
                 self._end(view)
-            elif any(m in self._dead for m in view.members) or view.epoch in self._suspected:
+            elif any(m in self._roster.dead for m in view.members) or view.epoch in self._roster.suspected:
                 self._reconfigure(view)
             time.sleep(poll)
 
     def _end(self, view: View) -> None:
         """No member of ``view`` is left running: the job completed, or failed if one of them failed."""
-        failed = [view.slot_of(m) for m in view.members if m in self._dead]
+        failed = [view.slot_of(m) for m in view.members if m in self._roster.dead]
         if failed:
             raise _JobFailed(f"slots {failed} of epoch {view.epoch} failed after the others finished")
         self._completed = True
-        with self._lock:
-            spares = len(self._spares)
+        spares = len(self._roster.live_spares())
         committed = self.committed_step()
         self.log.emit(
             "job_completed", epoch=view.epoch, world_size=view.world_size, committed_step=committed, spares=spares
@@ -397,7 +385,7 @@ class Coordinator:
             except Exception as exc:  # noqa: BLE001 - the job is over: nothing more to learn
                 logger.warning("coordinator: while the last processes leave: %s", exc)
                 return
-            live = [i for i in self._members if i not in self._dead and i not in self._left]
+            live = self._roster.live()
             if not live:
                 return
             if time.monotonic() > deadline:
@@ -421,243 +409,27 @@ class Coordinator:
 
     # ------------------------------------------------------------------ evidence
     def _refresh(self) -> None:
-        """Read registrations, heartbeats, exits and suspicions; update the dead set."""
-        store = self._store
-        assert store is not None
+        """Keep the lease, let the roster read the members' evidence, and save what a successor needs."""
         if self._leadership is not None:
             self._leadership.keep()
-        now = time.monotonic()
-        assert self._registrations is not None and self._suspicions is not None and self._refusals is not None
-        for idx, record in self._registrations.poll():
-            self._register(idx, record, now)
-        for _, record in self._refusals.poll():
-            self._refused(None, record)
-        if self._beacon is not None:
-            for i in self._beacon.poll():
-                self._hb.touch(i, now)
-        self._read_leaves()
-        live = [i for i in self._members if i not in self._dead and i not in self._left]
-        if self._silenced and self.view is None:
-            self._revive(now)
-        if live:
-            counts = store.multi_get([keys.heartbeat(i) for i in live])
-            silent: dict[int, float] = {}
-            for i, raw in zip(live, counts, strict=True):
-                if (quiet_s := self._hb.observe(i, raw, now)) is None:
-                    continue
-                if (ok := self._left_status(i)) is not None:
-                    self._on_left(i, ok)
-                else:
-                    silent[i] = quiet_s
-            if not silent:
-                self._stalled.discard("heartbeats stopped")
-            elif self._hold_off(set(silent), min(silent.values()), "heartbeats stopped"):
-                silent = {}
-            elif "heartbeats stopped" in self._stalled and max(silent.values()) <= self._patience_s:
-                self._stalled.discard("heartbeats stopped")  # a stall ended; the rest get one timeout from now
-                self._hb.restart(silent, now)
-                silent = {}
-            for i, silent_s in silent.items():
-                self._mark_dead(i, "heartbeat", silent_s=round(silent_s, 3))
-                if self.view is None:
-                    self._silenced.add(i)
-        while True:
-            try:
-                pid, code = self._exits.get_nowait()
-            except queue.Empty:
-                break
-            self._on_exit(pid, code)
-        for i, record in self._suspicions.poll():
-            try:
-                sus = Suspicion.parse(record, self._members)
-            except ValueError as exc:
-                logger.warning("ignoring suspicion %d: %s", i, exc)
-                continue
-            if sus.evict is not None:
-                self._on_evict(sus.epoch, sus.evict, sus.reason)
-                continue
-            view = self.view
-            slot = view.slot_of(sus.member) if view is not None else None
-            self.log.emit("failure_suspected", epoch=sus.epoch, slot=slot, member=sus.member, reason=sus.reason)
-            if view is not None and sus.epoch == view.epoch:
-                self._suspected.add(sus.epoch)
+        self._roster.refresh(self._beacon)
         self._save_state()
-
-    def _register(self, idx: int, record: bytes | RecordError, now: float, announce: bool = True) -> None:
-        """Take in registration ``idx`` (logged if ``announce``), or refuse (and log) one that is not the job's."""
-        try:
-            if isinstance(record, RecordError):
-                raise record
-            info = MemberInfo.from_json(record)
-            if info.job != self.config.job or info.index != idx:
-                raise ValueError(f"registered for job {info.job!r} as member {info.index}")
-        except ValueError as exc:
-            self._refused(idx, record if isinstance(record, bytes) else b"", str(exc))
-            return
-        with self._lock:
-            self._members[idx] = info
-            self._hb.register(idx, now)
-            if info.role == "spare" or self._view is not None:
-                self._spares.append(idx)
-        if announce:
-            slot = info.slot if info.slot >= 0 else None
-            self.log.emit("member_started", slot=slot, pid=info.pid, member=idx, role=info.role)
-
-    def _refused(self, idx: int | None, record: bytes | RecordError, why: str = "") -> None:
-        """Log a process that was refused: what it claims to be (unchecked) and why."""
-        self._refusal_count += 1
-        if self._refusal_count > 1000:
-            if self._refusal_count == 1001:
-                logger.warning("more than 1000 processes refused: no longer logging each")
-            return
-        self.log.emit("member_refused", **refusal_fields(idx, record, why))
-
-    def _on_evict(self, epoch: int, member: int, reason: str) -> None:
-        """A member asks for ``member`` of ``epoch`` to be replaced (a straggler): only by a live spare."""
-        view = self.view
-        if view is None or epoch != view.epoch or member not in view.members or member in self._dead:
-            return
-        with self._lock:
-            replace = self.config.mode == "hotswap" and bool(self._spares)
-        info = self._members.get(member)
-        self.log.emit(
-            "straggler_detected",
-            epoch=epoch,
-            slot=view.slot_of(member),
-            pid=info.pid if info else None,
-            member=member,
-            replaced=replace,
-            reason=reason,
-        )
-        if replace:
-            self._mark_dead(member, "straggler")
-
-    def _on_exit(self, pid: int, code: int) -> None:
-        match = [i for i, info in self._members.items() if info.pid == pid]
-        view = self.view
-        for i in match:
-            slot = view.slot_of(i) if view is not None else None
-            self.log.emit("member_exited", epoch=view.epoch if view else None, slot=slot, pid=pid, returncode=code)
-            self._silenced.discard(i)  # gone for good
-            if code == 0 and self._left_status(i):
-                self._member_left(i)
-            else:
-                self._mark_dead(i, "exit", returncode=code)
-
-    def _revive(self, now: float) -> None:
-        """Count again the members found silent before the job started whose heartbeat moved since.
-
-        Nothing was decided without them yet (no epoch exists), so a process that
-        was only slow to start (a busy machine) joins the first epoch after all
-        instead of leaving the job short of members until ``start_timeout``.
-        """
-        store = self._store
-        assert store is not None
-        quiet = sorted(self._silenced - self._left)
-        for i, raw in zip(quiet, store.multi_get([keys.heartbeat(i) for i in quiet]), strict=True):
-            if self._hb.observe(i, raw, now) is not None:
-                continue  # still silent
-            info = self._members[i]
-            with self._lock:
-                self._dead.discard(i)
-                self._silenced.discard(i)
-                if info.role == "spare":
-                    self._spares.append(i)
-            logger.info("coordinator: member %d (pid %d) beats again; counted before the job starts", i, info.pid)
-            self.log.emit("member_revived", slot=info.slot if info.slot >= 0 else None, pid=info.pid, member=i)
-
-    def _left_status(self, i: int) -> bool | None:
-        """Whether member ``i`` left cleanly (``True``), after an error (``False``), or not at all (``None``)."""
-        store = self._store
-        assert store is not None
-        if not store.raw.check([keys.left(i)]):
-            return None
-        try:
-            return store.get(keys.left(i)) == b"1"
-        except RecordError as exc:  # not the job's record: the member did not leave
-            store.reject(keys.left(i), exc)
-            return None
-
-    def _read_leaves(self) -> None:
-        """Look for members that left, when the leave counter moved (one read per poll otherwise)."""
-        store = self._store
-        assert store is not None
-        if not store.raw.check([keys.LEFT_NEXT]):
-            return
-        raw = bytes(store.raw.get(keys.LEFT_NEXT))
-        count = int(raw) if raw.isdigit() and len(raw) < 20 else self._left_count
-        if count == self._left_count:
-            return
-        self._left_count = count
-        for i in [i for i in self._members if i not in self._dead and i not in self._left]:
-            if (ok := self._left_status(i)) is not None:
-                self._on_left(i, ok)
-
-    def _on_left(self, i: int, ok: bool) -> None:
-        if ok:
-            self._member_left(i)
-        else:
-            self._mark_dead(i, "left after an error")
-
-    def _member_left(self, i: int) -> None:
-        with self._lock:
-            self._left.add(i)
-            if i in self._spares:
-                self._spares.remove(i)
-
-    def _mark_dead(self, i: int, reason: str, **extra: Any) -> None:
-        if i in self._dead or i in self._left:
-            return
-        with self._lock:
-            self._dead.add(i)
-            if i in self._spares:
-                self._spares.remove(i)
-        view, info = self.view, self._members.get(i)
-        epoch, slot = (view.epoch, view.slot_of(i)) if view is not None else (None, None)
-        pid = info.pid if info else None
-        self.log.emit("failure_detected", epoch=epoch, slot=slot, pid=pid, member=i, reason=reason, **extra)
-
-    def _hold_off(self, silent: set[int], silent_s: float, what: str) -> bool:
-        """Whether to wait before declaring ``silent`` dead on silence alone (step 3 of the protocol).
-
-        True while the current epoch would keep no majority without them and the
-        silence is shorter than ``heartbeat_timeout + stall_grace``. Members that
-        have been quiet for half a heartbeat timeout are not counted as the
-        majority either: a stall does not silence everyone in the same instant.
-        """
-        view = self.view
-        if view is None:
-            return False
-        now, cfg, gone = time.monotonic(), self.config, self._dead | silent
-        quiet = self._hb.timeout_s / 2
-        survivors = sum(1 for m in view.members if m not in gone and self._hb.age(m, now) < quiet)
-        if majority(survivors, view.world_size) is None or silent_s > self._patience_s:
-            return False
-        if what not in self._stalled:
-            self._stalled.add(what)
-            n, grace = len(silent & set(view.members)), cfg.stall_grace.total_seconds()
-            msg = "%s for %d of epoch %d's %d members at once: waiting up to %.0f s before declaring them dead"
-            logger.warning(msg, what, n, view.epoch, view.world_size, grace)
-            self.log.emit("stall_suspected", epoch=view.epoch, members=sorted(silent), reason=what)
-        return True
-
-    def _live_actives(self) -> int:
-        gone = self._dead | self._left
-        return sum(1 for i, m in self._members.items() if m.role == "active" and i not in gone)
 
     # ------------------------------------------------------------------ epochs
     def _maybe_start(self, waited_s: float) -> None:
         n = self.config.world_size
-        actives = [i for i, m in sorted(self._members.items()) if m.role == "active" and i not in self._dead]
+        actives = [
+            i for i, m in sorted(self._roster.members.items()) if m.role == "active" and i not in self._roster.dead
+        ]
         if len(actives) < n:
             return
-        spares = sum(1 for i, m in self._members.items() if m.role == "spare" and i not in self._dead)
+        spares = sum(1 for i, m in self._roster.members.items() if m.role == "spare" and i not in self._roster.dead)
         if spares < self.config.spares and waited_s < self.config.spare_wait.total_seconds():
             return  # the job's own spares are still starting
         slots: list[int | None] = [None] * n
         rest = []
         for i in actives:
-            s = self._members[i].slot
+            s = self._roster.members[i].slot
             if 0 <= s < n and slots[s] is None:
                 slots[s] = i
             else:
@@ -665,8 +437,7 @@ class Coordinator:
         for s in range(n):
             if slots[s] is None:
                 slots[s] = rest.pop(0)
-        with self._lock:
-            self._spares.extend(rest)  # extra actives wait as spares
+        self._roster.add_spares(rest)  # extra actives wait as spares
         self._publish(View(epoch=0, job=self.config.job, members=tuple(m for m in slots if m is not None)))
 
     def _publish(self, view: View) -> None:
@@ -680,7 +451,7 @@ class Coordinator:
         shape: dict[str, Any] = {"members": list(view.members), "world_size": view.world_size}
         self.log.emit("epoch_proposed", epoch=view.epoch, mode=view.mode, lost_slots=list(view.lost_slots), **shape)
         for slot, m in sorted(view.promoted.items()):
-            self.log.emit("spare_promoted", epoch=view.epoch, slot=slot, pid=self._members[m].pid, member=m)
+            self.log.emit("spare_promoted", epoch=view.epoch, slot=slot, pid=self._roster.members[m].pid, member=m)
         self._await_configured(view)
 
     def _await_configured(self, view: View) -> None:
@@ -691,7 +462,7 @@ class Coordinator:
         poll = self.config.poll_interval.total_seconds()
         while not self._stop.is_set():
             self._refresh()
-            if any(m in self._dead for m in view.members) or view.epoch in self._suspected:
+            if any(m in self._roster.dead for m in view.members) or view.epoch in self._roster.suspected:
                 return  # the loop reconfigures from this epoch
             if all(store.check([keys.configured(view.epoch, m)]) for m in view.members):
                 self.log.emit(
@@ -705,7 +476,7 @@ class Coordinator:
             if time.monotonic() - t0 > self.config.configure_timeout.total_seconds():
                 late = [m for m in view.members if not store.check([keys.configured(view.epoch, m)])]
                 for m in late:
-                    self._mark_dead(m, "configure timeout")
+                    self._roster.mark_dead(m, "configure timeout")
                 return
             time.sleep(poll)
 
@@ -714,29 +485,30 @@ class Coordinator:
         assert store is not None
         cfg = self.config
         e = view.epoch
-        self._suspected.discard(e)
-        dead_slots = [s for s, m in enumerate(view.members) if m in self._dead]
+        self._roster.suspected.discard(e)
+        dead_slots = [s for s, m in enumerate(view.members) if m in self._roster.dead]
         store.set(keys.abort(e), json.dumps({"reason": "failure", "dead_slots": dead_slots}))
         t0 = time.monotonic()
         poll = cfg.poll_interval.total_seconds()
         acked: set[int] = set()
         while True:
             self._refresh()
-            expected = {m for m in view.members if m not in self._dead and m not in self._left}
+            expected = {m for m in view.members if m not in self._roster.dead and m not in self._roster.left}
             acked = {m for m in expected if store.check([keys.ack(e, m)])}
             waited = time.monotonic() - t0
             if acked == expected or (
                 waited > cfg.ack_timeout.total_seconds()
-                and not self._hold_off(expected - acked, waited - cfg.ack_timeout.total_seconds(), "no acknowledgement")
+                and not self._roster.hold_off(
+                    expected - acked, waited - cfg.ack_timeout.total_seconds(), "no acknowledgement"
+                )
             ):
                 break
             time.sleep(poll)
-        self._stalled.discard("no acknowledgement")
+        self._roster.stall_over("no acknowledgement")
         for m in view.members:
             if m not in acked:
-                self._mark_dead(m, "no ack")
-        with self._lock:
-            spares = list(self._spares)
+                self._roster.mark_dead(m, "no ack")
+        spares = self._roster.live_spares()
         try:
             plan = plan_next_epoch(
                 e,
@@ -748,9 +520,7 @@ class Coordinator:
             )
         except MembershipError as exc:
             raise _JobFailed(str(exc)) from exc
-        with self._lock:
-            for m in plan.promoted.values():
-                self._spares.remove(m)
+        self._roster.take_spares(plan.promoted.values())
         committed = self.committed_step()
         self._publish(
             View(
