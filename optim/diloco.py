@@ -19,6 +19,7 @@ and the averaged pseudo-gradient (three fp32 copies of the model).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -51,24 +52,16 @@ class DiLoCo(OuterLoop):
     See the module docstring.
 
     Args:
-        optimizer: A ``torch.optim`` optimizer over ``model``'s trainable
-            parameters (fp32, one device), not one of ours.
-        model: The model it trains, the same on every rank.
+        optimizer, model, warmup_steps, max_grad_norm, group: As :class:`optim.outer.OuterLoop`.
         period: Local steps between two outer steps (H, >= 1).
         outer_lr: The outer SGD's learning rate (> 0; 0.7 published).
         outer_momentum: Its momentum, in ``[0, 1)`` (0.9 published).
         nesterov: Nesterov momentum (published) or heavy ball.
         wire_dtype: ``torch.float32`` (default) or ``torch.bfloat16``: the pseudo-gradient on the wire.
-        warmup_steps: Steps that average the gradients (dense) before the local phase.
-        max_grad_norm: Clip the gradient the wrapped optimizer sees to this global norm; 0: no clipping.
-        group: The process group (default: the default group of :mod:`sparsecomm.distributed`).
 
     Raises:
-        TypeError: ``optimizer`` is not a plain torch optimizer, or ``model`` not a module.
-        ValueError: A bad setting, an optimizer wrapped twice, parameters that
-            are not the model's trainable ones or not fp32, or settings or
-            models that differ between ranks (before any communication but one
-            small agreement, the same on every rank).
+        TypeError, ValueError: As :class:`optim.outer.OuterLoop` (the same on every rank, before any
+            communication but one small agreement).
     """
 
     def __init__(
@@ -98,9 +91,7 @@ class DiLoCo(OuterLoop):
 
     def _check_settings(self) -> None:
         outer_lr, momentum, nesterov, wire_dtype = self._given
-        self.outer_lr = check_rate("outer_lr", outer_lr, low=0.0, high=float("inf"), high_open=True)
-        if self.outer_lr == 0.0:
-            raise ValueError(f"Invalid outer_lr: {outer_lr!r} (must be > 0)")
+        self.outer_lr = check_rate("outer_lr", outer_lr, low=0.0, high=math.inf, low_open=True, high_open=True)
         self.outer_momentum = check_rate("outer_momentum", momentum, low=0.0, high=1.0, high_open=True)
         if not isinstance(nesterov, bool):
             raise ValueError(f"Invalid nesterov: {nesterov!r} (must be True or False)")

@@ -47,13 +47,16 @@ def check_period(value: object) -> int:
     return value
 
 
-def check_rate(name: str, value: object, *, low: float, high: float, high_open: bool) -> float:
-    """``value`` as a float if it is a finite number in ``[low, high)`` (``high_open``) or ``[low, high]``."""
+def check_rate(
+    name: str, value: object, *, low: float, high: float, low_open: bool = False, high_open: bool = False
+) -> float:
+    """``value`` as a float if it is a finite number between ``low`` and ``high`` (each end excluded if ``*_open``)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"Invalid {name}: {value!r} (must be a finite number)")
     v = float(value)
-    if v < low or v > high or (high_open and v == high):
-        raise ValueError(f"Invalid {name}: {value!r} (must be in [{low:g}, {high:g}{')' if high_open else ']'})")
+    if v < low or v > high or (low_open and v == low) or (high_open and v == high):
+        where = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+        raise ValueError(f"Invalid {name}: {value!r} (must be in {where})")
     return v
 
 

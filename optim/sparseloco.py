@@ -35,6 +35,7 @@ Memory beside the inner optimizer: the global parameters and the accumulator
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -44,10 +45,10 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from optim.averaging import check_density
-from optim.outer import OuterLoop, check_rate
+from optim.outer import OuterLoop, check_period, check_rate
 from sparsecomm.quantized import QUANT_BITS, Quantizer
 
-__all__ = ["SparseLoCo", "SparseLoCoPlan", "pack_indices", "sparseloco_plan", "unpack_indices"]
+__all__ = ["SparseLoCo", "SparseLoCoPlan", "fixed_plan", "pack_indices", "sparseloco_plan", "unpack_indices"]
 
 _BLOCK = 64
 """Values per bfloat16 scale of the codes."""
@@ -98,21 +99,29 @@ class SparseLoCoPlan:
         return (world_size - 1) * self.payload_bytes / self.period
 
 
-def _layout(numel: int, chunk: int) -> tuple[int, int]:
-    m = -(-numel // chunk)
-    return m, -(-numel // m)
-
-
-def _check_chunk(chunk: object) -> int:
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or not 2 <= chunk <= 1 << 24:
-        raise ValueError(f"Invalid chunk: {chunk!r} (must be an int in [2, 2**24])")
-    return chunk
-
-
 def _check_bits(bits: object) -> int:
     if isinstance(bits, bool) or not isinstance(bits, int) or bits not in QUANT_BITS:
         raise ValueError(f"Invalid bits: {bits!r} (must be one of {QUANT_BITS})")
     return bits
+
+
+def fixed_plan(numel: int, *, period: int, fraction: float, chunk: int = 4096, bits: int = 2) -> SparseLoCoPlan:
+    """The plan of ``period`` and ``k = round(fraction * c)`` (at least 1) for a model of ``numel`` parameters.
+
+    The model is cut into ``m = ceil(numel / chunk)`` chunks of ``c = ceil(numel / m)`` positions.
+
+    Raises:
+        ValueError: A bad argument.
+    """
+    frac = check_rate("fraction", fraction, low=0.0, high=1.0, low_open=True)
+    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 1:
+        raise ValueError(f"Invalid numel: {numel!r} (must be an int >= 1)")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or not 2 <= chunk <= 1 << 24:
+        raise ValueError(f"Invalid chunk: {chunk!r} (must be an int in [2, 2**24])")
+    m = -(-numel // chunk)
+    c = -(-numel // m)
+    k = min(c, max(1, round(frac * c)))
+    return SparseLoCoPlan(period=check_period(period), k=k, chunks=m, chunk=c, bits=_check_bits(bits))
 
 
 def sparseloco_plan(
@@ -134,30 +143,19 @@ def sparseloco_plan(
         ValueError: A bad argument.
     """
     d = check_density(density)
-    frac = check_rate("fraction", fraction, low=0.0, high=1.0, high_open=False)
-    if frac == 0.0:
-        raise ValueError(f"Invalid fraction: {fraction!r} (must be in (0, 1])")
-    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 1:
-        raise ValueError(f"Invalid numel: {numel!r} (must be an int >= 1)")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"Invalid world_size: {world_size!r} (must be an int >= 1)")
-    m, c = _layout(numel, _check_chunk(chunk))
-    bits = _check_bits(bits)
+    first = fixed_plan(numel, period=1, fraction=fraction, chunk=chunk, bits=bits)  # k0
     budget = 8.0 * d * numel / world_size  # payload bytes per local step at equal bytes
-
-    def plan(period: int, k: int) -> SparseLoCoPlan:
-        return SparseLoCoPlan(period=period, k=k, chunks=m, chunk=c, bits=bits)
-
-    k0 = min(c, max(1, round(frac * c)))
-    period = max(1, round(plan(1, k0).payload_bytes / budget))
-    lo, hi = 1, c  # the largest k whose payload fits period * budget (at least 1)
+    period = max(1, round(first.payload_bytes / budget))
+    lo, hi = 1, first.chunk  # the largest k whose payload fits period * budget (at least 1)
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if plan(period, mid).payload_bytes <= period * budget:
+        if dataclasses.replace(first, k=mid).payload_bytes <= period * budget:
             lo = mid
         else:
             hi = mid - 1
-    return plan(period, lo)
+    return dataclasses.replace(first, period=period, k=lo)
 
 
 def pack_indices(idx: Tensor, width: int) -> Tensor:
@@ -181,9 +179,7 @@ class SparseLoCo(OuterLoop):
     """Wrap ``optimizer`` (the inner one): SparseLoCo's outer step every H steps (module docstring).
 
     Args:
-        optimizer: A ``torch.optim`` optimizer over ``model``'s trainable
-            parameters (fp32, one device), not one of ours.
-        model: The model it trains, the same on every rank.
+        optimizer, model, warmup_steps, max_grad_norm, group: As :class:`optim.outer.OuterLoop`.
         period: Local steps between two outer steps (H, >= 1); ``None``: 15,
             or from ``density``. Not with ``density``.
         fraction: The share of every chunk sent per outer step (``k = round(fraction * c)``,
@@ -194,16 +190,10 @@ class SparseLoCo(OuterLoop):
         bits: Code width of the sent values (2 published).
         outer_lr: The learning rate of the outer step (> 0).
         decay: The accumulator's decay (beta, in ``[0, 1)``; 0.95).
-        warmup_steps: Steps that average the gradients (dense) before the local phase.
-        max_grad_norm: Clip the gradient the wrapped optimizer sees to this global norm; 0: no clipping.
-        group: The process group (default: the default group of :mod:`sparsecomm.distributed`).
 
     Raises:
-        TypeError: ``optimizer`` is not a plain torch optimizer, or ``model`` not a module.
-        ValueError: A bad setting, an optimizer wrapped twice, parameters that
-            are not the model's trainable ones or not fp32, or settings or
-            models that differ between ranks (before any communication but one
-            small agreement, the same on every rank).
+        TypeError, ValueError: As :class:`optim.outer.OuterLoop` (the same on every rank, before any
+            communication but one small agreement).
     """
 
     def __init__(
@@ -239,9 +229,7 @@ class SparseLoCo(OuterLoop):
 
     def _check_settings(self) -> None:
         period, fraction, density, chunk, bits, outer_lr, decay = self._given
-        self.outer_lr = check_rate("outer_lr", outer_lr, low=0.0, high=float("inf"), high_open=True)
-        if self.outer_lr == 0.0:
-            raise ValueError(f"Invalid outer_lr: {outer_lr!r} (must be > 0)")
+        self.outer_lr = check_rate("outer_lr", outer_lr, low=0.0, high=math.inf, low_open=True, high_open=True)
         self.decay = check_rate("decay", decay, low=0.0, high=1.0, high_open=True)
         b = self._bucket
         if density is not None:
@@ -250,12 +238,7 @@ class SparseLoCo(OuterLoop):
             self.plan = sparseloco_plan(density, b.numel, b.world_size, chunk=chunk, fraction=fraction, bits=bits)
             self._period = self.plan.period
             return
-        frac = check_rate("fraction", fraction, low=0.0, high=1.0, high_open=False)
-        if frac == 0.0:
-            raise ValueError(f"Invalid fraction: {fraction!r} (must be in (0, 1])")
-        m, c = _layout(b.numel, _check_chunk(chunk))
-        k = min(c, max(1, round(frac * c)))
-        self.plan = SparseLoCoPlan(period=self._period, k=k, chunks=m, chunk=c, bits=_check_bits(bits))
+        self.plan = fixed_plan(b.numel, period=self._period, fraction=fraction, chunk=chunk, bits=bits)
 
     def _make_buffers(self) -> None:
         p, dev = self.plan, self._bucket.device

@@ -10,10 +10,13 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 
+from optim.outer import OuterLoop
 from tests.dist.harness import run_ranks
 from tests.dist.test_local import _loss, _model
 
@@ -148,25 +151,21 @@ def test_period_one_without_momentum_is_sgd_on_the_averaged_gradient() -> None:
         assert r["diff"] < 1e-6, r
 
 
-def _resume(rank: int, ws: int, cut: int) -> dict:
-    from optim import DiLoCo
-
-    def build(model: torch.nn.Module) -> DiLoCo:
-        return DiLoCo(torch.optim.AdamW(model.parameters(), lr=0.05), model, period=H, warmup_steps=WARM)
-
+def resumes(rank: int, build: Callable[[torch.nn.Module], OuterLoop], cut: int) -> bool:
+    """Run STEPS steps; again with the state saved after step ``cut`` loaded into a new optimizer: the same end?"""
     runs = []
     for resumed in (False, True):
         model = _model()
         opt = build(model)
-        saved = None
+        saved: dict = {}
         for t in range(STEPS):
             if resumed and t == cut:
-                model = _model(seed=7)
+                model = _model(seed=7)  # other values: the load must bring everything back
                 opt = build(model)
                 with torch.no_grad():
-                    for p, v in zip(model.parameters(), saved["params"], strict=True):  # type: ignore[index]
+                    for p, v in zip(model.parameters(), saved["params"], strict=True):
                         p.copy_(v)
-                opt.load_state_dict(saved["state"])  # type: ignore[index]
+                opt.load_state_dict(saved["state"])
             opt.zero_grad()
             _loss(model, rank, t).backward()
             opt.step()
@@ -175,44 +174,67 @@ def _resume(rank: int, ws: int, cut: int) -> dict:
                     "params": [p.detach().clone() for p in model.parameters()],
                     "state": copy.deepcopy(opt.state_dict()),
                 }
-        runs.append(_flat(model).tolist())
-    return {"equal": runs[0] == runs[1]}
+        runs.append((_flat(model).tolist(), opt.state_dict()["outer"]))
+    (a, sa), (b, sb) = runs
+    return (
+        a == b
+        and sa.keys() == sb.keys()
+        and all(torch.equal(sa[k], sb[k]) for k in sa if isinstance(sa[k], torch.Tensor))
+    )
+
+
+def _resume(rank: int, ws: int, cut: int) -> bool:
+    from optim import DiLoCo
+
+    return resumes(
+        rank, lambda m: DiLoCo(torch.optim.AdamW(m.parameters(), lr=0.05), m, period=H, warmup_steps=WARM), cut
+    )
 
 
 @pytest.mark.parametrize("cut", [4, 5])
 def test_state_dict_resumes_bit_for_bit(cut: int) -> None:
     """Cut mid-period (after step 4) and right after an outer step (step 5, with momentum)."""
-    assert all(r["equal"] for r in run_ranks(_resume, 2, cut, timeout=60))
+    assert all(run_ranks(_resume, 2, cut, timeout=60))
 
 
-def _bad(rank: int, ws: int, case: str) -> str:
-    from optim import DiLoCo, LocalOptimizer
+BAD_SETTINGS: dict[str, dict[str, Any]] = {
+    "period": {"period": 0},
+    "outer-lr": {"outer_lr": 0.0},
+    "momentum": {"outer_momentum": 1.0},
+    "wire": {"wire_dtype": torch.float16},
+    "warmup": {"warmup_steps": -1},
+    "clip": {"max_grad_norm": -1.0},
+    "both": {"period": 3, "density": 0.1},
+    "density": {"density": 1.5},
+    "fraction": {"fraction": 0.0},
+    "chunk": {"chunk": 1},
+    "bits": {"bits": 3},
+    "decay": {"decay": 1.0},
+}
 
+
+def bad(rank: int, ws: int, cls_name: str, case: str) -> str:
+    """Build ``optim.<cls_name>`` with the bad input of ``case`` (``one-rank-CASE``: on rank 1 only); the error."""
+    import optim
+
+    cls = getattr(optim, cls_name)
     model = _model()
     inner: object = torch.optim.AdamW(model.parameters(), lr=0.01)
-    kw: dict = {}
     mine = case if rank == 1 or not case.startswith("one-rank-") else ""
     mine = mine.removeprefix("one-rank-")
+    kw = {"period": 3 + rank} if mine == "settings-differ" else BAD_SETTINGS.get(mine, {})
     if mine == "wrapper":
-        inner = DiLoCo(inner, model)  # type: ignore[arg-type]
+        inner = optim.DiLoCo(inner, model)  # type: ignore[arg-type]
     elif mine == "local":
-        inner = LocalOptimizer(inner, model)  # type: ignore[arg-type]
+        inner = optim.LocalOptimizer(inner, model)  # type: ignore[arg-type]
+    elif mine == "twice":
+        cls(inner, model)
     elif mine == "foreign":
         inner = torch.optim.AdamW([*model.parameters(), torch.nn.Parameter(torch.zeros(3))], lr=0.01)
-    elif mine == "period":
-        kw = {"period": 0}
-    elif mine == "outer-lr":
-        kw = {"outer_lr": 0.0}
-    elif mine == "momentum":
-        kw = {"outer_momentum": 1.0}
-    elif mine == "wire":
-        kw = {"wire_dtype": torch.float16}
-    elif mine == "warmup":
-        kw = {"warmup_steps": -1}
-    elif mine == "settings-differ":
-        kw = {"period": 3 + rank}
+    elif mine == "missing":
+        inner = torch.optim.AdamW(list(model.parameters())[:2], lr=0.01)
     try:
-        DiLoCo(inner, model, **kw)  # type: ignore[arg-type]
+        cls(inner, model, **kw)
     except (TypeError, ValueError) as exc:
         return f"{type(exc).__name__}: {exc}"
     return "built"
@@ -223,6 +245,7 @@ def _bad(rank: int, ws: int, case: str) -> str:
     [
         ("wrapper", "TypeError", "synchronizes the ranks itself"),
         ("local", "TypeError", "synchronizes the ranks itself"),
+        ("twice", "ValueError", "already wrapped"),
         ("foreign", "ValueError", "not the model's"),
         ("period", "ValueError", "Invalid period"),
         ("outer-lr", "ValueError", "Invalid outer_lr"),
@@ -233,12 +256,12 @@ def _bad(rank: int, ws: int, case: str) -> str:
     ],
 )
 def test_bad_input_raises_on_every_rank(case: str, kind: str, words: str) -> None:
-    for r in run_ranks(_bad, 2, case, timeout=60):
+    for r in run_ranks(bad, 2, "DiLoCo", case, timeout=60):
         assert r.startswith(kind) and words in r, r
 
 
 def test_a_bad_argument_on_one_rank_raises_on_both() -> None:
-    res = run_ranks(_bad, 2, "one-rank-period", timeout=60)
+    res = run_ranks(bad, 2, "DiLoCo", "one-rank-period", timeout=60)
     assert "Invalid period" in res[1]
     assert res[0].startswith("ValueError") and "another rank rejected" in res[0]
 

@@ -11,12 +11,11 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 from tests.dist.harness import run_ranks
+from tests.dist.test_diloco import bad, resumes
 from tests.dist.test_local import _loss, _model
 
 pytestmark = pytest.mark.dist
@@ -93,78 +92,16 @@ def test_one_all_gather_of_the_payload_per_outer_step() -> None:
     assert plan.wire_bytes_per_step(2) == payload / H
 
 
-def _resume(rank: int, ws: int, cut: int) -> dict:
+def _resume(rank: int, ws: int, cut: int) -> bool:
     from optim import SparseLoCo
 
-    def build(model: torch.nn.Module) -> SparseLoCo:
-        return SparseLoCo(torch.optim.AdamW(model.parameters(), lr=LR), model, **SETTINGS)  # type: ignore[arg-type]
-
-    runs = []
-    for resumed in (False, True):
-        model = _model()
-        opt = build(model)
-        saved = None
-        for t in range(STEPS):
-            if resumed and t == cut:
-                model = _model(seed=7)
-                opt = build(model)
-                with torch.no_grad():
-                    for p, v in zip(model.parameters(), saved["params"], strict=True):  # type: ignore[index]
-                        p.copy_(v)
-                opt.load_state_dict(saved["state"])  # type: ignore[index]
-            opt.zero_grad()
-            _loss(model, rank, t).backward()
-            opt.step()
-            if t == cut - 1:
-                saved = {
-                    "params": [p.detach().clone() for p in model.parameters()],
-                    "state": copy.deepcopy(opt.state_dict()),
-                }
-        runs.append((_flat(model).tolist(), opt.error.tolist()))
-    return {"equal": runs[0] == runs[1]}
+    return resumes(rank, lambda m: SparseLoCo(torch.optim.AdamW(m.parameters(), lr=LR), m, **SETTINGS), cut)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("cut", [6, 8])
 def test_state_dict_resumes_bit_for_bit(cut: int) -> None:
     """Cut mid-period (after step 6) and right after an outer step (step 8), with a non-zero accumulator."""
-    assert all(r["equal"] for r in run_ranks(_resume, 2, cut, timeout=60))
-
-
-def _bad(rank: int, ws: int, case: str) -> str:
-    from optim import DiLoCo, SparseLoCo
-
-    model = _model()
-    inner: object = torch.optim.AdamW(model.parameters(), lr=0.01)
-    kw: dict = {}
-    mine = case if rank == 1 or not case.startswith("one-rank-") else ""
-    mine = mine.removeprefix("one-rank-")
-    if mine == "wrapper":
-        inner = DiLoCo(inner, model)  # type: ignore[arg-type]
-    elif mine == "twice":
-        SparseLoCo(inner, model)  # type: ignore[arg-type]
-    elif mine == "missing":
-        inner = torch.optim.AdamW(list(model.parameters())[:2], lr=0.01)
-    elif mine == "both":
-        kw = {"period": 3, "density": 0.1}
-    elif mine == "density":
-        kw = {"density": 1.5}
-    elif mine == "fraction":
-        kw = {"fraction": 0.0}
-    elif mine == "chunk":
-        kw = {"chunk": 1}
-    elif mine == "bits":
-        kw = {"bits": 3}
-    elif mine == "decay":
-        kw = {"decay": 1.0}
-    elif mine == "outer-lr":
-        kw = {"outer_lr": -1.0}
-    elif mine == "clip":
-        kw = {"max_grad_norm": -1.0}
-    try:
-        SparseLoCo(inner, model, **kw)  # type: ignore[arg-type]
-    except (TypeError, ValueError) as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "built"
+    assert all(run_ranks(_resume, 2, cut, timeout=60))
 
 
 @pytest.mark.parametrize(
@@ -184,12 +121,12 @@ def _bad(rank: int, ws: int, case: str) -> str:
     ],
 )
 def test_bad_input_raises_on_every_rank(case: str, kind: str, words: str) -> None:
-    for r in run_ranks(_bad, 2, case, timeout=60):
+    for r in run_ranks(bad, 2, "SparseLoCo", case, timeout=60):
         assert r.startswith(kind) and words in r, r
 
 
 def test_a_bad_argument_on_one_rank_raises_on_both() -> None:
-    res = run_ranks(_bad, 2, "one-rank-chunk", timeout=60)
+    res = run_ranks(bad, 2, "SparseLoCo", "one-rank-chunk", timeout=60)
     assert "Invalid chunk" in res[1]
     assert res[0].startswith("ValueError") and "another rank rejected" in res[0]
 
