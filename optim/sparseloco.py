@@ -271,7 +271,7 @@ class SparseLoCo(OuterLoop):
         u.zero_()
         for r in range(ws):  # in rank order, each rank's positions distinct: the same sums on every rank
             part = gathered[r * size : (r + 1) * size]
-            got = plan.quantizer.decode(part[: plan.value_bytes], nvals)
+            got = plan.quantizer.decode(part[: plan.value_bytes].clone(), nvals)  # clone: the scales' alignment
             u.index_add_(0, unpack_indices(part[plan.value_bytes :], nvals, plan.index_bits) + self._base, got)
         u.div_(ws)
         self._global[:n].sub_(u[:n], alpha=self.outer_lr)
