@@ -36,6 +36,7 @@ Memory beside the inner optimizer: the global parameters and the accumulator
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +50,8 @@ from optim.outer import OuterLoop, check_period, check_rate
 from sparsecomm.quantized import QUANT_BITS, Quantizer
 
 __all__ = ["SparseLoCo", "SparseLoCoPlan", "fixed_plan", "pack_indices", "sparseloco_plan", "unpack_indices"]
+
+logger = logging.getLogger(__name__)
 
 _BLOCK = 64
 """Values per bfloat16 scale of the codes."""
@@ -223,6 +226,15 @@ class SparseLoCo(OuterLoop):
             max_grad_norm=max_grad_norm,
             group=group,
             settings=f"{period}|{fraction}|{density}|{chunk}|{bits}|{outer_lr}|{decay}",
+        )
+        p = self.plan
+        logger.info(
+            "SparseLoCo: period %d, k %d of %d positions in each of %d chunks, %d bytes per rank per outer step",
+            p.period,
+            p.k,
+            p.chunk,
+            p.chunks,
+            p.payload_bytes,
         )
         self.last_sent: tuple[Tensor, Tensor] | None = None
         """What this rank sent at its last outer step: flat positions, and their values as every rank decodes them."""

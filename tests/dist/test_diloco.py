@@ -273,3 +273,21 @@ def test_equal_bytes_period() -> None:
     assert diloco_period(0.1, torch.bfloat16) == 5
     with pytest.raises(ValueError, match="density"):
         diloco_period(0.0)
+
+
+def _from_config(rank: int, ws: int) -> list[tuple[str, int, int]]:
+    from optim.train_job.config import TrainConfig, build_optimizer
+
+    out = []
+    for name in ("diloco-adamw", "sparseloco-adamw"):
+        for density in (0.1, 0.01):
+            opt = build_optimizer(TrainConfig(optimizer=name, density=density, sparse_warmup_steps=3), _model())
+            out.append((type(opt).__name__, opt.period, opt.warmup_steps))  # type: ignore[attr-defined]
+    return out
+
+
+def test_the_train_job_builds_both_at_the_densitys_bytes() -> None:
+    """DiLoCo: H = 1/density. SparseLoCo on 103 parameters and 2 ranks: 0.01 is 4.12 payload bytes per step, and 3% of
+    the one chunk (3 positions) 21 bytes: H = 5, then k = 2 (20 bytes)."""
+    res = run_ranks(_from_config, 2, timeout=60)
+    assert res[0] == [("DiLoCo", 10, 3), ("DiLoCo", 100, 3), ("SparseLoCo", 1, 3), ("SparseLoCo", 5, 3)]
