@@ -101,6 +101,22 @@ def _check_inner(optimizer: object, model: object) -> None:
         )
 
 
+def average_grads(comm: Any, bucket: FlatBucket, buf: Tensor) -> None:
+    """Replace every parameter's gradient by the ranks' average (one dense all_reduce of ``buf``, padded flat fp32).
+
+    Collective: every rank must call this. A parameter without a gradient
+    counts as zeros and gets the average too, so every replica takes the same step.
+    """
+    missing = set(bucket.gather_grads(buf))
+    comm.all_reduce(buf, ReduceOp.AVG)
+    for i, (p, off) in enumerate(zip(bucket.params, bucket.offsets, strict=True)):
+        avg = buf[off : off + p.numel()].view(p.shape)
+        if i in missing:
+            p.grad = avg.clone()  # another rank had one: every replica takes the same step
+        else:
+            p.grad.copy_(avg)  # type: ignore[union-attr]
+
+
 class _Wrapped:
     """An attribute of the wrapped optimizer, read and written through the wrapper.
 
@@ -345,15 +361,7 @@ class LocalOptimizer(Optimizer):
                 st["exp_avg"] = view
 
     def _average_grads(self) -> None:
-        b, g = self._bucket, self._grad
-        missing = set(b.gather_grads(g))
-        self._comm.all_reduce(g, ReduceOp.AVG)
-        for i, (p, off) in enumerate(zip(b.params, b.offsets, strict=True)):
-            avg = g[off : off + p.numel()].view(p.shape)
-            if i in missing:
-                p.grad = avg.clone()  # another rank had one: every replica takes the same step
-            else:
-                p.grad.copy_(avg)  # type: ignore[union-attr]
+        average_grads(self._comm, self._bucket, self._grad)
 
     def _debias(self, t: int) -> None:
         """Take this step's excess noise out of Adam's second moment ``v`` (the wrapped optimizer's ``exp_avg_sq``).

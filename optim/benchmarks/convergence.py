@@ -52,7 +52,7 @@ DEFAULT_DENSITIES = (0.1, 0.01, 0.001)
 TARGETS = {0.1: 1.02, 0.01: 1.05}
 """Largest acceptable ratio of SCAPE's final validation loss to dense AdamS's, per density."""
 
-ADAMW_BASED = ("local-adamw",)
+ADAMW_BASED = ("local-adamw", "diloco-adamw", "sparseloco-adamw")
 """Optimizer choices whose dense reference is AdamW (averaged gradients, same schedule), not AdamS."""
 
 ADAMW_TARGETS = {0.1: 1.03, 0.01: 1.06}
@@ -91,6 +91,8 @@ METHODS = (
     "local-f32",
     "periodic",
     "topk",
+    "diloco",
+    "sparseloco",
 )
 """Sparse methods a convergence run can compare, each at every density: SCAPE; LocalAdamS with its defaults (``local``:
 staggered window of changes in the codes of :func:`optim.local.auto_wire_bits`, ``window_order="auto"``,
@@ -108,7 +110,11 @@ density (``local-debiased``, ``local-measured``); with the debiased normalizer a
 changes (``local-bf16``, the defaults before the codes), either order at every density (``local-contiguous``,
 ``local-spread``); bfloat16 changes with plain per-rank AdamS (``local-plain``), the defaults' codes and order with
 plain per-rank AdamS (``local-codes-plain``); float32 values and plain AdamS (``local-f32``); a periodic dense
-float32 average and plain AdamS (``periodic``); TopKAdamS (top-k + error feedback)."""
+float32 average and plain AdamS (``periodic``); TopKAdamS (top-k + error feedback); and two published baselines around
+:class:`torch.optim.AdamW`, judged against dense AdamW at the same wire bytes per step: :class:`optim.DiLoCo`
+(``diloco``: a dense fp32 average of the pseudo-gradients every ``round(1/D)`` steps, Nesterov outer SGD 0.7 / 0.9)
+and :class:`optim.SparseLoCo` (``sparseloco``: period and chunk-wise top-k of :func:`optim.sparseloco.sparseloco_plan`,
+2-bit codes, error feedback as outer momentum)."""
 
 _METHOD_OVERRIDES: dict[str, dict[str, Any]] = {
     "scape": {"optimizer": "scape"},
@@ -249,6 +255,8 @@ _METHOD_OVERRIDES: dict[str, dict[str, Any]] = {
         "local_normalizer": "local",
     },
     "topk": {"optimizer": "topk-adams"},
+    "diloco": {"optimizer": "diloco-adamw"},
+    "sparseloco": {"optimizer": "sparseloco-adamw"},
 }
 
 

@@ -8,10 +8,12 @@ from typing import Any
 
 import torch
 
+from optim.diloco import DiLoCo, diloco_period
 from optim.local import LOCAL_SCHEDULES, NORMALIZERS, WINDOW_ORDERS, LocalAdamS
 from optim.local_optimizer import NOISE, LocalOptimizer
 from optim.scape import MASK_SCORES, SCAPE, UNSELECTED_POLICIES
 from optim.sharded import ShardedAdamS, ShardedAdamW
+from optim.sparseloco import SparseLoCo
 from optim.topk import TopKAdamS
 from optim.train_job.data import DEFAULT_MAX_BYTES
 from optim.train_job.model import GPTConfig
@@ -21,6 +23,7 @@ __all__ = [
     "DDP_HOOKS",
     "LOCAL_WIRES",
     "OPTIMIZERS",
+    "OUTER_LOOPS",
     "SPARSE_OPTIMIZERS",
     "TORCH_ADAMW",
     "TrainConfig",
@@ -38,14 +41,29 @@ OPTIMIZERS = (
     "allreduce-adamw",
     "ddp-powersgd-adamw",
     "ddp-sparse-adamw",
+    "diloco-adamw",
+    "sparseloco-adamw",
 )
 """Choices of ``TrainConfig.optimizer``: ShardedAdamW, ShardedAdamS, SCAPE, LocalAdamS,
 :class:`torch.optim.AdamW` wrapped by :class:`optim.LocalOptimizer` (``local-adamw``), TopKAdamS,
-and :class:`torch.optim.AdamW` with the gradients synchronized outside it: the original
-bucket all-reduce, or torch's DDP with the PowerSGD hook or sparsecomm's sparse hook."""
+:class:`torch.optim.AdamW` inside :class:`optim.DiLoCo` or :class:`optim.SparseLoCo` at the density's
+bytes per step (``diloco-adamw``, ``sparseloco-adamw``), and :class:`torch.optim.AdamW` with the gradients
+synchronized outside it: the original bucket all-reduce, or torch's DDP with the PowerSGD hook or sparsecomm's
+sparse hook."""
 
-SPARSE_OPTIMIZERS = ("scape", "local-adams", "local-adamw", "topk-adams", "ddp-sparse-adamw")
+SPARSE_OPTIMIZERS = (
+    "scape",
+    "local-adams",
+    "local-adamw",
+    "topk-adams",
+    "ddp-sparse-adamw",
+    "diloco-adamw",
+    "sparseloco-adamw",
+)
 """The choices that take ``density`` and ``sparse_warmup_steps``."""
+
+OUTER_LOOPS: dict[str, type[DiLoCo] | type[SparseLoCo]] = {"diloco-adamw": DiLoCo, "sparseloco-adamw": SparseLoCo}
+"""The choices that wrap :class:`torch.optim.AdamW` in an outer loop (:class:`optim.outer.OuterLoop`)."""
 
 DDP_HOOKS = {"ddp-powersgd-adamw": "powersgd", "ddp-sparse-adamw": "sparse"}
 """The choices that run the model under DDP, and their comm hook (:mod:`optim.train_job.ddp`)."""
@@ -207,8 +225,9 @@ class TrainConfig:
         if self.optimizer in TORCH_ADAMW:
             out = {"name": self.optimizer, "class": "torch.optim.AdamW", "grad_clip": self.grad_clip, **common}
             return {**out, **self.sparse_kwargs()}
-        if self.optimizer == "local-adamw":
-            out = {"name": self.optimizer, "class": "optim.LocalOptimizer(torch.optim.AdamW)", **common}
+        if self.optimizer == "local-adamw" or self.optimizer in OUTER_LOOPS:
+            wrapper = OUTER_LOOPS.get(self.optimizer, LocalOptimizer).__name__
+            out = {"name": self.optimizer, "class": f"optim.{wrapper}(torch.optim.AdamW)", **common}
             return {**out, "max_grad_norm": self.grad_clip, **self.sparse_kwargs()}
         cls = _CLASSES[self.optimizer]
         out = {"name": self.optimizer, "class": f"optim.{cls.__name__}", **common, "max_grad_norm": self.grad_clip}
@@ -219,6 +238,10 @@ class TrainConfig:
         """The constructor arguments of the sparse choices beyond the dense ones (``{}`` for dense ones)."""
         if self.optimizer == "scape":
             return self.scape_kwargs()
+        if self.optimizer == "diloco-adamw":  # one fp32 all_reduce every 1/density steps
+            return {"period": diloco_period(self.density), "warmup_steps": self.sparse_warmup_steps}
+        if self.optimizer == "sparseloco-adamw":  # period and top-k from the density (optim.sparseloco_plan)
+            return {"density": self.density, "warmup_steps": self.sparse_warmup_steps}
         averaging = {  # LocalAdamS's and LocalOptimizer's averaging (optim.averaging.Averaging)
             "density": self.density,
             "schedule": self.local_schedule,
@@ -265,7 +288,7 @@ def build_optimizer(config: TrainConfig, model: torch.nn.Module) -> torch.optim.
     Weight decay applies to parameters with ``dim() >= 2`` only, for every choice.
     """
     params = [p for p in model.parameters() if p.requires_grad]
-    if config.optimizer in TORCH_ADAMW or config.optimizer == "local-adamw":
+    if config.optimizer in TORCH_ADAMW or config.optimizer == "local-adamw" or config.optimizer in OUTER_LOOPS:
         decay = [p for p in params if p.dim() >= 2]
         no_decay = [p for p in params if p.dim() < 2]
         adamw = torch.optim.AdamW(
@@ -274,6 +297,8 @@ def build_optimizer(config: TrainConfig, model: torch.nn.Module) -> torch.optim.
             betas=config.betas,
             eps=config.eps,
         )
+        if config.optimizer in OUTER_LOOPS:
+            return OUTER_LOOPS[config.optimizer](adamw, model, max_grad_norm=config.grad_clip, **config.sparse_kwargs())
         if config.optimizer != "local-adamw":
             return adamw
         local = config.sparse_kwargs()

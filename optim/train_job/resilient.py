@@ -42,7 +42,7 @@ from bindings.errors import CommError
 from optim.paths import pythonpath_env
 from optim.resilient import ResilientConfig, ResilientTraining
 from optim.snapshot import UnrecoverableStateError
-from optim.train_job.config import TORCH_ADAMW, TrainConfig, build_optimizer
+from optim.train_job.config import OUTER_LOOPS, TORCH_ADAMW, TrainConfig, build_optimizer
 from optim.train_job.tasks import make_task
 from optim.train_job.train import _evaluate, train_step
 from resilient_comm.events import ProcessEvents, read_event_dir
@@ -126,7 +126,7 @@ class ResilienceConfig:
 
     def check_against(self, config: TrainConfig) -> None:
         """Raise ``ValueError`` for kills outside the run or a non-sharded optimizer."""
-        if config.optimizer in TORCH_ADAMW:
+        if config.optimizer in TORCH_ADAMW or config.optimizer in OUTER_LOOPS:
             raise ValueError(
                 "resilient training needs one of our optimizers (adams, adamw, scape, local-adams, local-adamw, "
                 "topk-adams), "

@@ -52,6 +52,7 @@ from bindings.spawn import run_local
 from bindings.stats import op_delta
 from optim.local import LocalAdamS
 from optim.local_optimizer import LocalOptimizer
+from optim.outer import OuterLoop
 from optim.scape import SCAPE
 from optim.topk import TopKAdamS
 from optim.train_job.config import DDP_HOOKS, TORCH_ADAMW, TrainConfig, build_optimizer, lr_at
@@ -97,7 +98,9 @@ def _evaluate(
     evaluated (:meth:`LocalAdamS.averaged`, counted under ``average``).
     """
     total = 0.0
-    averaged = optimizer.averaged() if isinstance(optimizer, (LocalAdamS, LocalOptimizer)) else contextlib.nullcontext()
+    averaged: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    if isinstance(optimizer, (LocalAdamS, LocalOptimizer, OuterLoop)):
+        averaged = optimizer.averaged()
     with averaged, torch.no_grad():
         model.eval()
         for i in range(config.eval_batches):
@@ -242,7 +245,7 @@ def train_worker(config: TrainConfig, rank: int, world_size: int, on_step: OnSte
             }
             if isinstance(optimizer, SCAPE):
                 record["sparse"] = optimizer.last_mask is not None
-            elif isinstance(optimizer, (LocalAdamS, LocalOptimizer, TopKAdamS)):
+            elif isinstance(optimizer, (LocalAdamS, LocalOptimizer, TopKAdamS, OuterLoop)):
                 record["sparse"] = step > optimizer.warmup_steps
             elif hook is not None:
                 record["sparse"] = step > start_iter
@@ -253,7 +256,7 @@ def train_worker(config: TrainConfig, rank: int, world_size: int, on_step: OnSte
                 event["val_loss"] = evals[-1]["val_loss"]
             if on_step is not None:
                 on_step(event)
-        if isinstance(optimizer, (LocalAdamS, LocalOptimizer)):
+        if isinstance(optimizer, (LocalAdamS, LocalOptimizer, OuterLoop)):
             optimizer.average_params()  # every rank ends with the same model
     finally:
         if isinstance(optimizer, (SCAPE, LocalAdamS, LocalOptimizer)):
