@@ -15,7 +15,7 @@ The held-out settings:
   (d 96, 3 layers: three times the parameters), constant learning rate;
 * ``torchdoc-gpt-cosine``: the tuning GPT on a corpus no tuning setting reads
   (the docstrings of torch, :func:`optim.train_job.data.torch_doc_bytes`);
-* ``torchdoc-gru-const``: a recurrent byte LM (two GRU layers, d 96) on that corpus;
+* ``torchdoc-gru-const``: a recurrent byte LM (one GRU layer, d 128) on that corpus;
 * ``digits-cnn-cosine``: a small CNN (two 3x3 convolutions of 32 channels) on scikit-learn's digits;
 * ``digits-mlp-cosine-3k``: the smallest model (the digits MLP) on a cosine
   schedule of 3,000 steps, judged at its end only (:data:`SETTING_HORIZONS`).
@@ -146,7 +146,8 @@ HELDOUT_SETTINGS: dict[str, dict[str, Any]] = {
         "task": "text",
         "corpus": "torchdoc",
         "arch": "gru",
-        "d_model": 96,
+        "d_model": 128,
+        "n_layers": 1,
         "lr": 2e-3,
         "weight_decay": 0.0,
         "grad_clip": 1.0,
