@@ -2,11 +2,14 @@
 
 One setting alone can be fooled (defaults tuned on it, a schedule that hides a
 slow method); the suite runs :func:`optim.benchmarks.convergence.run_convergence` on each
-of :data:`SETTINGS` at each horizon (300 and 1,000 steps by default), with
-the same seeds and data order for every optimizer, and reduces the result to:
+setting of a split (:mod:`optim.benchmarks.suite_settings`: the tuning split
+every default was chosen on, the held-out split that judges them, or both) at
+each horizon (300 and 1,000 steps unless a setting has its own), with the
+same seeds and data order for every optimizer, and reduces the result to:
 
 * per setting and horizon, each run's validation loss, its ratio to dense
-  ShardedAdamS and to ShardedAdamW, its optimizer wire bytes per step (and
+  ShardedAdamS, to ShardedAdamW and to the better of the two
+  (``ratio_to_best_dense``), its optimizer wire bytes per step (and
   their ratio to dense AdamS's), and its largest training-loss rise after the
   warm-up next to the largest rise of the dense runs;
 * per method and density, the worst ratio over the whole suite at each
@@ -25,104 +28,53 @@ trained once, to the longest horizon, and read at every horizon: its first
 300 steps are those of a 300-step run, bit for bit (same batches, same
 learning rate). A setting with a schedule is trained once per horizon.
 
-All data is offline and deterministic: three text corpora (the standard
+All data is offline and deterministic: four text corpora (the standard
 library's source, the interpreter's bundled documentation text, a synthetic
-language), scikit-learn's digits; two transformer families and an MLP.
+language, torch's docstrings), scikit-learn's digits; two transformer
+families, a GRU, an MLP and a CNN.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from optim.benchmarks.convergence import ADAMW_BASED, ADAMW_TARGETS, METHODS, TARGETS, run_convergence
+from optim.benchmarks.suite_settings import (
+    DEFAULT_SEEDS,
+    FIRST_HELDOUT_SEED,
+    HELDOUT_SEEDS,
+    HELDOUT_SETTINGS,
+    HORIZONS,
+    SETTING_HORIZONS,
+    SETTINGS,
+    SPLITS,
+    SUITE_BASE,
+    TUNING_SETTINGS,
+    split_of,
+)
 from optim.train_job.config import TrainConfig
 
-__all__ = ["HORIZONS", "SETTINGS", "SUITE_BASE", "mean_over_seeds", "run_suite", "worst_case"]
+__all__ = [
+    "HELDOUT_SEEDS",
+    "best_dense",
+    "HELDOUT_SETTINGS",
+    "HORIZONS",
+    "SETTINGS",
+    "SPLITS",
+    "SUITE_BASE",
+    "TUNING_SETTINGS",
+    "mean_over_seeds",
+    "run_suite",
+    "worst_case",
+]
 
-HORIZONS = (300, 1000)
-"""Steps at which every setting is judged."""
+logger = logging.getLogger(__name__)
 
-SUITE_BASE: dict[str, Any] = {
-    "nproc": 4,
-    "batch": 8,
-    "context": 64,
-    "d_model": 64,
-    "n_layers": 2,
-    "n_heads": 4,
-    "eval_interval": 100,
-    "eval_batches": 8,
-    "max_corpus_bytes": 2_000_000,
-    "betas": (0.9, 0.95),
-}
-"""What every setting shares unless it says otherwise: 4 ranks, small models, batch 8 per rank."""
-
-_CONSTANT = {"warmup_steps": 0, "min_lr_ratio": 1.0}
-_COSINE = {"warmup_steps": 30, "min_lr_ratio": 0.1}
-
-SETTINGS: dict[str, dict[str, Any]] = {
-    "stdlib-encoder-const": {
-        "task": "text",
-        "corpus": "stdlib",
-        "arch": "encoder",
-        "d_model": 96,
-        "lr": 2e-3,
-        "weight_decay": 0.0,
-        "grad_clip": 0.0,
-        **_CONSTANT,
-    },
-    "pydoc-gpt-cosine": {
-        "task": "text",
-        "corpus": "pydoc",
-        "arch": "gpt",
-        "lr": 3e-3,
-        "weight_decay": 0.1,
-        "grad_clip": 1.0,
-        **_COSINE,
-    },
-    "synthetic-gpt-const-clip": {
-        "task": "text",
-        "corpus": "synthetic",
-        "arch": "gpt",
-        "lr": 2e-3,
-        "weight_decay": 0.0,
-        "grad_clip": 1.0,
-        **_CONSTANT,
-    },
-    "stdlib-gpt-cosine": {
-        "task": "text",
-        "corpus": "stdlib",
-        "arch": "gpt",
-        "lr": 3e-3,
-        "weight_decay": 0.1,
-        "grad_clip": 1.0,
-        **_COSINE,
-    },
-    "digits-mlp-const": {
-        "task": "digits",
-        "d_model": 128,
-        "n_layers": 2,
-        "batch": 16,
-        "lr": 1e-3,
-        "weight_decay": 0.0,
-        "grad_clip": 0.0,
-        **_CONSTANT,
-    },
-    "digits-mlp-cosine": {
-        "task": "digits",
-        "d_model": 128,
-        "n_layers": 2,
-        "batch": 16,
-        "lr": 3e-3,
-        "weight_decay": 0.1,
-        "grad_clip": 1.0,
-        **_COSINE,
-    },
-}
-"""The suite: name -> :class:`TrainConfig` fields over :data:`SUITE_BASE`."""
 
 OnRun = Callable[[str, int, dict[str, Any]], None]
 
@@ -141,10 +93,11 @@ def _val_at(run: dict[str, Any], step: int) -> float:
 def run_suite(
     settings: Sequence[str] | None = None,
     *,
-    horizons: Sequence[int] = HORIZONS,
+    split: str = "tuning",
+    horizons: Sequence[int] | None = None,
     densities: Sequence[float] = (0.1, 0.01),
     methods: Sequence[str] = METHODS,
-    seeds: Sequence[int] = (0,),
+    seeds: Sequence[int] | None = None,
     overrides: dict[str, Any] | None = None,
     on_run: OnRun | None = None,
     runs_dir: str | Path | None = None,
@@ -152,13 +105,18 @@ def run_suite(
     """Run the suite; return its record (see the module docstring).
 
     Args:
-        settings: Names from :data:`SETTINGS` (default: all).
-        horizons: Steps at which to judge; each must be a multiple of the
-            evaluation interval (100).
+        settings: Names of settings of ``split`` (default: every setting of it).
+        split: ``"tuning"``, ``"heldout"`` or ``"all"`` (:data:`SPLITS`): the
+            settings run by default and the only ones admitted.
+        horizons: Steps at which to judge every setting; each must be a
+            multiple of the evaluation interval (100). Default: each setting's
+            own (:data:`SETTING_HORIZONS`, else :data:`HORIZONS`).
         densities: Densities of every sparse method.
         methods: Sparse methods (:data:`optim.benchmarks.convergence.METHODS`).
         seeds: Seeds of initialisation and data order; every setting runs once
             per seed and the cells are the means over them (:func:`mean_over_seeds`).
+            Default: each setting's split's own (:data:`DEFAULT_SEEDS`: 0 for
+            the tuning split, :data:`HELDOUT_SEEDS` for the held-out one).
         overrides: TrainConfig fields applied on top of every setting (e.g.
             ``nproc``; not ``seed``, which ``seeds`` sets).
         on_run: Called with ``(setting, steps, run record)`` when a run finishes.
@@ -168,35 +126,41 @@ def run_suite(
     Returns:
         ``rows`` (one per setting, horizon and run, over the seeds), ``seed_rows``
         (the same per seed), ``worst`` (:func:`worst_case`), ``settings`` (the
-        configs), ``horizons``, ``densities``, ``methods``, ``seeds`` and ``wall_time_s``.
+        configs), ``split``, ``split_seeds`` (the seeds of each split that ran),
+        ``seeds`` (all of them), ``setting_horizons``, ``horizons`` (all of
+        them), ``densities``, ``methods`` and ``wall_time_s``.
 
     Raises:
-        ValueError: Unknown setting, a horizon the evaluations do not hit, or bad seeds.
+        ValueError: Unknown split or setting, a setting outside the split, a
+            horizon the evaluations do not hit, or bad seeds.
         LocalRunError: A rank of a run failed.
     """
-    names = list(SETTINGS) if settings is None else list(settings)
-    seed_list = [int(x) for x in seeds]
-    if not seed_list or len(set(seed_list)) != len(seed_list) or any(x < 0 for x in seed_list):
-        raise ValueError(f"seeds must be distinct ints >= 0, got {list(seeds)}")
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+    names = list(SPLITS[split]) if settings is None else list(settings)
+    if not names:
+        raise ValueError("no settings to run")
+    for n in names:
+        if split_of(n) != split and split != "all":
+            raise ValueError(f"setting {n!r} is in the {split_of(n)} split, not the {split} split")
+    seeds_of = {sp: _check_seeds(DEFAULT_SEEDS[sp] if seeds is None else seeds) for sp in {split_of(n) for n in names}}
     if overrides and "seed" in overrides:
         raise ValueError("set the seeds with seeds=, not overrides")
-    for n in names:
-        if n not in SETTINGS:
-            raise ValueError(f"unknown setting {n!r}; known: {', '.join(SETTINGS)}")
-    hs = sorted({int(h) for h in horizons})
-    if not hs or any(h < 1 for h in hs):
-        raise ValueError(f"horizons must be positive, got {list(horizons)}")
+    if any(x < FIRST_HELDOUT_SEED for x in seeds_of.get("heldout", ())):
+        logger.warning("suite: held-out settings on seeds below %d, the tuning seeds", FIRST_HELDOUT_SEED)
+    own = {n: _check_horizons(SETTING_HORIZONS.get(n, HORIZONS) if horizons is None else horizons) for n in names}
     t_all = time.perf_counter()
     rows: list[dict[str, Any]] = []
     configs: dict[str, dict[str, Any]] = {}
     for name in names:
+        hs = own[name]
         fields = {**SUITE_BASE, **SETTINGS[name], **(overrides or {})}
         probe = TrainConfig(**fields, steps=hs[-1])
         if any(h % probe.eval_interval for h in hs):
             raise ValueError(f"every horizon must be a multiple of eval_interval={probe.eval_interval}")
         configs[name] = dataclasses.asdict(probe)
         trained = [hs[-1]] if _is_constant(probe) else hs
-        for seed in seed_list:
+        for seed in seeds_of[split_of(name)]:
             for steps in trained:
                 base = dataclasses.replace(probe, steps=steps, seed=seed)
                 bench = run_convergence(
@@ -209,15 +173,32 @@ def run_suite(
     return {
         "rows": means,
         "seed_rows": rows,
-        "seeds": seed_list,
+        "split": split,
+        "split_seeds": {sp: list(x) for sp, x in sorted(seeds_of.items())},
+        "seeds": sorted({x for ss in seeds_of.values() for x in ss}),
         "worst": worst_case(means),
         "settings": configs,
-        "horizons": hs,
+        "setting_horizons": {n: list(hs) for n, hs in own.items()},
+        "horizons": sorted({h for hs in own.values() for h in hs}),
         "densities": list(densities),
         "methods": list(methods),
         "targets": {str(d): r for d, r in TARGETS.items()},
         "wall_time_s": time.perf_counter() - t_all,
     }
+
+
+def _check_seeds(seeds: Sequence[int]) -> list[int]:
+    out = [int(x) for x in seeds]
+    if not out or len(set(out)) != len(out) or any(x < 0 for x in out):
+        raise ValueError(f"seeds must be distinct ints >= 0, got {list(seeds)}")
+    return out
+
+
+def _check_horizons(horizons: Sequence[int]) -> list[int]:
+    hs = sorted({int(h) for h in horizons})
+    if not hs or any(h < 1 for h in hs):
+        raise ValueError(f"horizons must be positive, got {list(horizons)}")
+    return hs
 
 
 def _tagged(on_run: OnRun | None, setting: str, steps: int) -> Callable[[dict[str, Any]], None] | None:
@@ -245,6 +226,8 @@ def _rows_at(setting: str, horizon: int, trained: int, runs: list[dict[str, Any]
                 "val_loss": v,
                 "ratio_to_adams": v / ref_s,
                 "ratio_to_adamw": v / ref_w,
+                "ratio_to_best_dense": v / min(ref_s, ref_w),
+                "best_dense": best_dense(ref_s, ref_w),
                 "optimizer_wire_bytes_per_step": r["optimizer_wire_bytes_per_step"],
                 "wire_ratio_to_adams": r["optimizer_wire_bytes_per_step"] / wire_ref if wire_ref else None,
                 "largest_loss_rise": r["largest_loss_rise"],
@@ -259,7 +242,8 @@ def mean_over_seeds(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per setting, horizon and run from per-seed rows (each with ``seed``): means over the seeds.
 
     ``val_loss`` is the mean over the seeds, the ratios are ratios of those
-    means (to dense AdamS's and AdamW's of the same seeds), wire bytes are the
+    means (to dense AdamS's, AdamW's and the smaller of the two, of the same
+    seeds; ``best_dense`` names that one), wire bytes are the
     mean, a loss rise the largest of any seed; ``seed_ratios`` keeps each
     seed's own ratio to dense AdamS, ``dense_seed_spread`` dense AdamS's largest
     over its smallest validation loss, and ``evals`` maps each seed to its
@@ -281,6 +265,7 @@ def mean_over_seeds(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             raise ValueError(f"{setting}@{horizon} {name}: seeds {seeds} differ from dense AdamS's")
         dense = [float(r["val_loss"]) for r in cells[ref_s]]
         val = mean((setting, horizon, name), "val_loss")
+        mean_s, mean_w = mean(ref_s, "val_loss"), mean(ref_w, "val_loss")
         wires = [r["wire_ratio_to_adams"] for r in rs]
         out.append(
             {
@@ -292,8 +277,10 @@ def mean_over_seeds(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "density": rs[0]["density"],
                 "seeds": seeds,
                 "val_loss": val,
-                "ratio_to_adams": val / mean(ref_s, "val_loss"),
-                "ratio_to_adamw": val / mean(ref_w, "val_loss"),
+                "ratio_to_adams": val / mean_s,
+                "ratio_to_adamw": val / mean_w,
+                "ratio_to_best_dense": val / min(mean_s, mean_w),
+                "best_dense": best_dense(mean_s, mean_w),
                 "reference": reference(rs[0]["optimizer"]),
                 "seed_ratios": [r[ratio_key(r)] for r in sorted(rs, key=lambda r: r["seed"])],
                 "dense_seed_spread": max(dense) / min(dense),
@@ -305,6 +292,11 @@ def mean_over_seeds(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+def best_dense(adams: float, adamw: float) -> str:
+    """The better dense run of a cell from its validation losses: ``"adams"`` unless AdamW's is lower."""
+    return "adamw" if adamw < adams else "adams"
 
 
 def reference(optimizer: str) -> str:

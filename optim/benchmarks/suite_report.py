@@ -7,9 +7,10 @@ from statistics import median
 from typing import Any
 
 from optim.benchmarks.output import Table, text_table
-from optim.benchmarks.suite import ratio_key, reference
+from optim.benchmarks.suite import best_dense, ratio_key, reference
 
 __all__ = [
+    "AGAINST",
     "format_suite_table",
     "format_worst_table",
     "merge_suites",
@@ -20,12 +21,39 @@ __all__ = [
 ]
 
 
+AGAINST = ("reference", "best")
+"""What a table's ratios are to: each run's dense reference (:func:`optim.benchmarks.suite.reference`) or the
+better of dense AdamS and dense AdamW in the same cell (``best``)."""
+
+
+def _check_against(against: str) -> None:
+    if against not in AGAINST:
+        raise ValueError(f"against must be one of {AGAINST}, got {against!r}")
+
+
+def _cells(suite: dict[str, Any]) -> dict[tuple[str, int], dict[str, dict[str, Any]]]:
+    out: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
+    for r in suite["rows"]:
+        out.setdefault((r["setting"], r["horizon"]), {})[r["name"]] = r
+    return out
+
+
+def _ratio(row: dict[str, Any], cell: dict[str, dict[str, Any]], against: str) -> float:
+    """``row``'s ratio: to its reference, or to the better dense run of its cell (also for files made before
+    ``ratio_to_best_dense`` was recorded)."""
+    if against == "reference":
+        return float(row[ratio_key(row)])
+    if "ratio_to_best_dense" in row:
+        return float(row["ratio_to_best_dense"])
+    return float(row["val_loss"]) / min(float(cell["adams"]["val_loss"]), float(cell["adamw"]["val_loss"]))
+
+
 def _order(names: list[str]) -> list[str]:
     dense = [n for n in ("adamw", "adams") if n in names]
     return dense + sorted((n for n in names if n not in dense), key=lambda n: (-float(n.split("@")[1]), n))
 
 
-def suite_table(suite: dict[str, Any], *, digits: int = 4) -> Table:
+def suite_table(suite: dict[str, Any], *, digits: int = 4, against: str = "reference") -> Table:
     """One row per setting and horizon: each run's ratio of validation loss to dense AdamS's.
 
     An AdamW-based run (name marked ``/w``) is given against dense AdamW's
@@ -34,38 +62,54 @@ def suite_table(suite: dict[str, Any], *, digits: int = 4) -> Table:
     (largest over smallest validation loss; only with several seeds), the
     noise floor a ratio is read against. The last row is each run's largest
     wire bytes per step relative to dense AdamS's.
+
+    With ``against="best"`` every ratio, dense AdamS's and AdamW's included,
+    is to the better of dense AdamS and dense AdamW in the same cell, and a
+    column ``best`` says which one that is.
+
+    Raises:
+        ValueError: ``against`` is not one of :data:`AGAINST`.
     """
-    names = [n for n in _order(sorted({r["name"] for r in suite["rows"]})) if n != "adams"]
-    vs_w = {r["name"] for r in suite["rows"] if reference(r.get("optimizer", "")) == "adamw"}
+    _check_against(against)
+    best = against == "best"
+    names = [n for n in _order(sorted({r["name"] for r in suite["rows"]})) if best or n != "adams"]
+    vs_w = set() if best else {r["name"] for r in suite["rows"] if reference(r.get("optimizer", "")) == "adamw"}
     seeded = _several_seeds(suite)
     columns = (
         "setting",
         "steps",
         "dense AdamS",
         *(("seed spread",) if seeded else ()),
+        *(("best",) if best else ()),
         *(n + ("/w" if n in vs_w else "") for n in names),
     )
     settings = list(suite["settings"])
-    keys = sorted({(r["setting"], r["horizon"]) for r in suite["rows"]}, key=lambda k: (settings.index(k[0]), k[1]))
+    by_cell = _cells(suite)
     rows = []
-    for setting, h in keys:
-        cells = {r["name"]: r for r in suite["rows"] if r["setting"] == setting and r["horizon"] == h}
+    for setting, h in sorted(by_cell, key=lambda k: (settings.index(k[0]), k[1])):
+        cells = by_cell[(setting, h)]
         spread = cells["adams"].get("dense_seed_spread")
-        ratios = (f"{cells[n][ratio_key(cells[n])]:.{digits}f}" if n in cells else "-" for n in names)
+        ratios = (f"{_ratio(cells[n], cells, against):.{digits}f}" if n in cells else "-" for n in names)
         spreads = (f"{spread:.{digits}f}" if spread is not None else "-",) if seeded else ()
-        rows.append((setting, str(h), f"{cells['adams']['val_loss']:.{digits}f}", *spreads, *ratios))
+        which = (_best_name(cells),) if best else ()
+        rows.append((setting, str(h), f"{cells['adams']['val_loss']:.{digits}f}", *spreads, *which, *ratios))
     wire: dict[str, list[float]] = {}
     for r in suite["rows"]:
         if r["wire_ratio_to_adams"] is not None:
             wire.setdefault(r["name"], []).append(r["wire_ratio_to_adams"])
     wire_cells = (f"{max(wire[n]):.{digits}f}" if n in wire else "-" for n in names)
-    rows.append(("wire bytes / dense AdamS", "", "", *(("",) if seeded else ()), *wire_cells))
-    return Table(columns=columns, rows=tuple(rows), left=frozenset({0}))
+    blanks = ("",) * (int(seeded) + int(best))
+    rows.append(("wire bytes / dense AdamS", "", "", *blanks, *wire_cells))
+    return Table(columns=columns, rows=tuple(rows), left=frozenset({0, *((columns.index("best"),) if best else ())}))
 
 
-def format_suite_table(suite: dict[str, Any]) -> str:
+def _best_name(cells: dict[str, dict[str, Any]]) -> str:
+    return best_dense(float(cells["adams"]["val_loss"]), float(cells["adamw"]["val_loss"]))
+
+
+def format_suite_table(suite: dict[str, Any], *, against: str = "reference") -> str:
     """:func:`suite_table` as fixed-width text."""
-    return text_table(suite_table(suite), sep=" ")
+    return text_table(suite_table(suite, against=against), sep=" ")
 
 
 def worst_table(suite: dict[str, Any], *, digits: int = 4) -> Table:
@@ -100,7 +144,7 @@ def format_worst_table(suite: dict[str, Any]) -> str:
     return text_table(worst_table(suite), sep=" ")
 
 
-def summary_table(suites: list[tuple[str, dict[str, Any]]], *, digits: int = 2) -> Table:
+def summary_table(suites: list[tuple[str, dict[str, Any]]], *, digits: int = 2, against: str = "reference") -> Table:
     """Median / worst ratio to the dense reference over every cell of a suite, per run and density.
 
     Args:
@@ -108,20 +152,29 @@ def summary_table(suites: list[tuple[str, dict[str, Any]]], *, digits: int = 2) 
             suite gives one row, labelled with the run's method and ``label``
             (the result it comes from).
         digits: Decimals of the ratios.
+        against: ``"reference"`` (each run's dense reference) or ``"best"``
+            (the better of dense AdamS and dense AdamW in each cell).
 
     Returns:
         Columns ``run``, ``result``, then ``median / worst`` at each density
         found, largest first.
+
+    Raises:
+        ValueError: ``against`` is not one of :data:`AGAINST`.
     """
+    _check_against(against)
     densities = sorted({float(r["density"]) for _, s in suites for r in s["rows"] if "@" in r["name"]}, reverse=True)
     rows = []
     for label, suite in suites:
         methods = sorted({r["name"].split("@")[0] for r in suite["rows"] if "@" in r["name"]})
+        by_cell = _cells(suite)
         for method in methods:
             cells = [method, label]
             for d in densities:
                 ratios = [
-                    r[ratio_key(r)] for r in suite["rows"] if r["name"].split("@")[0] == method and r["density"] == d
+                    _ratio(r, by_cell[(r["setting"], r["horizon"])], against)
+                    for r in suite["rows"]
+                    if r["name"].split("@")[0] == method and r["density"] == d
                 ]
                 cells.append(f"{median(ratios):.{digits}f} / {max(ratios):.{digits}f}" if ratios else "-")
             rows.append(tuple(cells))

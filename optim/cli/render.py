@@ -10,7 +10,8 @@ result files it comes from and the kind of table::
     <!-- /table -->
 
 Options after the kind (``key=value``) go to the kind's renderer, e.g.
-``rate=1gbit`` for a wallclock table of one link rate. Every renderer reuses
+``rate=1gbit`` for a wallclock table of one link rate, or ``against=best`` for
+a suite table of ratios to the better of dense AdamS and dense AdamW. Every renderer reuses
 the table of the command that wrote the file (:class:`optim.benchmarks.output.Table`),
 laid out in Markdown. ``--check`` renders into memory and reports every
 marked table that differs from what is committed.
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from optim.benchmarks.output import Table, markdown_table
-from optim.benchmarks.suite_report import merge_suites, suite_table, summary_table, worst_table
+from optim.benchmarks.suite_report import AGAINST, merge_suites, suite_table, summary_table, worst_table
 from optim.cli.bench_checkpoint import loopback_table, recovery_split_table, snapshot_table
 from optim.cli.bench_hooks import hook_table
 from optim.cli.bench_link import link_table
@@ -58,8 +59,16 @@ def _digits(options: dict[str, str], default: int) -> int:
     return int(options.get("digits", default))
 
 
+def _against(options: dict[str, str]) -> str:
+    against = options.get("against", "reference")
+    if against not in AGAINST:
+        raise RenderError(f"against must be one of {', '.join(AGAINST)}, got {against!r}")
+    return against
+
+
 def _suite(sources: list[tuple[str, Any]], options: dict[str, str]) -> Table:
-    return suite_table(merge_suites([s for _, s in sources]), digits=_digits(options, 3))
+    suite = merge_suites([s for _, s in sources])
+    return suite_table(suite, digits=_digits(options, 3), against=_against(options))
 
 
 def _suite_worst(sources: list[tuple[str, Any]], options: dict[str, str]) -> Table:
@@ -68,13 +77,13 @@ def _suite_worst(sources: list[tuple[str, Any]], options: dict[str, str]) -> Tab
 
 def _suite_summary(sources: list[tuple[str, Any]], options: dict[str, str]) -> Table:
     labelled = [(f"`{Path(path).parent.name}`", suite) for path, suite in sources]
-    return summary_table(labelled, digits=_digits(options, 2))
+    return summary_table(labelled, digits=_digits(options, 2), against=_against(options))
 
 
 RENDERERS: dict[str, tuple[Renderer, frozenset[str]]] = {
-    "suite": (_suite, frozenset({"digits"})),
+    "suite": (_suite, frozenset({"digits", "against"})),
     "suite-worst": (_suite_worst, frozenset({"digits"})),
-    "suite-summary": (_suite_summary, frozenset({"digits"})),
+    "suite-summary": (_suite_summary, frozenset({"digits", "against"})),
     "wallclock": (lambda s, o: wallclock_table(_one(s), rate=o.get("rate")), frozenset({"rate"})),
     "link": (lambda s, o: link_table(_one(s)), frozenset()),
     "recovery": (lambda s, o: recovery_table(_one(s), fault=o.get("fault")), frozenset({"fault"})),

@@ -127,9 +127,9 @@ class TrainConfig:
     n_layers: int = 2  # Transformer blocks.
     n_heads: int = 4  # Attention heads.
     seed: int = 0  # Seed of the initialisation and of the data order.
-    task: str = "text"  # ``text`` (byte LM) or ``digits`` (MLP on scikit-learn's digits).
-    corpus: str = "stdlib"  # Text task without ``data``: stdlib | pydoc | synthetic.
-    arch: str = "gpt"  # Text task model family: gpt | encoder.
+    task: str = "text"  # ``text`` (byte LM) or ``digits`` (MLP or CNN on scikit-learn's digits).
+    corpus: str = "stdlib"  # Text task without ``data``: stdlib | pydoc | synthetic | torchdoc.
+    arch: str = "gpt"  # Model family: gpt | encoder | gru (text); mlp | cnn (digits; there gpt means mlp).
     out: str = "runs/train"  # Output directory of ``report.json`` and ``report.png``.
     data: str | None = None  # Text file to train on; ``None`` for the standard-library corpus.
     max_corpus_bytes: int = DEFAULT_MAX_BYTES  # Size cap of the standard-library corpus.

@@ -17,6 +17,8 @@ any step, or a different launcher sees exactly the same data.
 from __future__ import annotations
 
 import hashlib
+import importlib
+import inspect
 import logging
 import os
 import sysconfig
@@ -30,6 +32,8 @@ __all__ = [
     "DEFAULT_MAX_BYTES",
     "Corpus",
     "stdlib_corpus_bytes",
+    "TORCH_DOC_MODULES",
+    "torch_doc_bytes",
     "load_corpus",
     "encode",
     "decode",
@@ -120,6 +124,63 @@ def stdlib_corpus_bytes(max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[bytes, int,
     if size == 0:
         raise RuntimeError(f"no standard-library source found under {root}; use --data FILE")
     return b"".join(parts), count, str(root)
+
+
+TORCH_DOC_MODULES = (
+    "torch",
+    "torch.nn",
+    "torch.nn.functional",
+    "torch.optim",
+    "torch.linalg",
+    "torch.fft",
+    "torch.special",
+)
+"""The modules whose docstrings make :func:`torch_doc_bytes`, in this order."""
+
+
+def torch_doc_bytes(max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[bytes, int, str]:
+    """Concatenate the documentation of installed torch's public functions and classes.
+
+    English prose with reStructuredText markup, formulas and interpreter
+    examples: a text from another source than the standard library's code
+    and the interpreter's own documentation. The modules of
+    :data:`TORCH_DOC_MODULES` are read in order and their public names
+    (functions and classes, no submodules) in sorted order from the module's
+    own namespace, so nothing is imported lazily and the text depends only on
+    the torch version. A docstring under 200 characters, one already taken
+    (an alias) and a generated list of enum members are skipped; each
+    docstring is cleaned of its indentation and follows a ``## module.name``
+    header line.
+
+    Args:
+        max_bytes: Stop once this many bytes are collected (the last entry is cut to fit).
+
+    Returns:
+        ``(text, number of docstrings, "torch <version>")``.
+
+    Raises:
+        ValueError: ``max_bytes`` is not positive.
+    """
+    if max_bytes <= 0:
+        raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+    seen: set[str] = set()
+    parts: list[bytes] = []
+    size = 0
+    for module_name in TORCH_DOC_MODULES:
+        module = importlib.import_module(module_name)
+        for name, obj in sorted(vars(module).items()):
+            if name.startswith("_") or not (inspect.isroutine(obj) or inspect.isclass(obj)):
+                continue
+            doc = obj.__doc__
+            if not isinstance(doc, str) or len(doc) < 200 or doc.lstrip().startswith("Members:") or doc in seen:
+                continue
+            seen.add(doc)
+            chunk = f"## {module_name}.{name}\n{inspect.cleandoc(doc)}\n\n".encode()
+            parts.append(chunk[: max_bytes - size])
+            size += len(parts[-1])
+            if size >= max_bytes:
+                return b"".join(parts), len(parts), f"torch {torch.__version__}"
+    return b"".join(parts), len(parts), f"torch {torch.__version__}"
 
 
 def load_corpus(

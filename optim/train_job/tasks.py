@@ -3,18 +3,22 @@
 Two tasks, both offline and deterministic (the batch of ``(seed, step, rank)``
 is a pure function of those numbers):
 
-* ``text``: a byte-level language model on one of three corpora from
+* ``text``: a byte-level language model on one of four corpora from
   different sources -- ``stdlib`` (the standard library's source code, the
   default), ``pydoc`` (the English documentation text that ships with the
   interpreter in ``pydoc_data``), ``synthetic`` (a generated language with known
   structure: a seeded random vocabulary, a sparse first-order Markov chain over
-  it, and counting sequences) -- or a user's text file. Two model families:
-  ``gpt`` (:class:`optim.train_job.model.GPT`: pre-norm blocks, tied head) and
+  it, and counting sequences), ``torchdoc`` (the docstrings of installed torch's
+  public functions and classes, :func:`optim.train_job.data.torch_doc_bytes`)
+  -- or a user's text file. Three model families (:data:`TEXT_ARCHS`):
+  ``gpt`` (:class:`optim.train_job.model.GPT`: pre-norm blocks, tied head),
   ``encoder`` (:class:`torch.nn.TransformerEncoder` with a causal mask, an
-  untied head).
+  untied head) and ``gru`` (:class:`optim.train_job.small_models.RecurrentLM`).
 * ``digits``: classification of scikit-learn's bundled 8x8 digits (1,797
   images, a fixed 80/20 split) with an MLP (``n_layers`` hidden layers of
-  width ``d_model``, GELU). Needs ``scikit-learn`` (the ``bench`` extra).
+  width ``d_model``, GELU) or a CNN (``arch="cnn"``:
+  :class:`optim.train_job.small_models.DigitsCNN`, ``n_layers`` convolutions
+  of ``d_model`` channels). Needs ``scikit-learn`` (the ``bench`` extra).
 
 Every model's ``forward(x, y)`` returns ``(logits, loss)``. Initialisation
 draws only from torch's global generator.
@@ -31,12 +35,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from optim.train_job.data import VOCAB_SIZE, Corpus, encode, load_corpus, sample_batch, stream_seed
+from optim.train_job.data import VOCAB_SIZE, Corpus, encode, load_corpus, sample_batch, stream_seed, torch_doc_bytes
 from optim.train_job.model import GPT, GPTConfig
+from optim.train_job.small_models import DigitsCNN, RecurrentLM
 
 __all__ = [
     "ARCHS",
     "CORPORA",
+    "DIGITS_ARCHS",
+    "TEXT_ARCHS",
     "TASKS",
     "Task",
     "TaskSpec",
@@ -47,8 +54,12 @@ __all__ = [
 ]
 
 TASKS = ("text", "digits")
-CORPORA = ("stdlib", "pydoc", "synthetic")
-ARCHS = ("gpt", "encoder")
+CORPORA = ("stdlib", "pydoc", "synthetic", "torchdoc")
+TEXT_ARCHS = ("gpt", "encoder", "gru")
+"""Model families of the ``text`` task."""
+DIGITS_ARCHS = ("mlp", "cnn")
+"""Model families of the ``digits`` task; there ``gpt``, the default of ``arch``, also means the MLP."""
+ARCHS = TEXT_ARCHS + DIGITS_ARCHS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,7 +87,11 @@ class TaskSpec:
         if self.arch not in ARCHS:
             raise ValueError(f"arch must be one of {ARCHS}, got {self.arch!r}")
         if self.task == "text":
+            if self.arch not in TEXT_ARCHS:
+                raise ValueError(f"the text task's arch must be one of {TEXT_ARCHS}, got {self.arch!r}")
             self.gpt_config()  # validates the shape
+        elif self.arch not in DIGITS_ARCHS + ("gpt",):
+            raise ValueError(f"the digits task's arch must be one of {DIGITS_ARCHS}, got {self.arch!r}")
 
     def gpt_config(self) -> GPTConfig:
         """The transformer shape of a ``text`` task."""
@@ -147,6 +162,9 @@ def _named_corpus(spec: TaskSpec) -> Corpus:
 
         text = "\n".join(topics.topics[k] for k in sorted(topics.topics)).encode()[: spec.max_corpus_bytes]
         name = "pydoc_data.topics"
+    elif spec.corpus == "torchdoc":
+        text, _, version = torch_doc_bytes(spec.max_corpus_bytes)
+        name = f"torchdoc:{version}"
     else:
         text = synthetic_text(min(spec.max_corpus_bytes, 1_000_000))
         name = "synthetic:markov400"
@@ -191,6 +209,8 @@ class TextTask:
 
     def build_model(self) -> nn.Module:
         cfg = self.spec.gpt_config()
+        if self.spec.arch == "gru":
+            return RecurrentLM(vocab_size=cfg.vocab_size, d_model=cfg.d_model, n_layers=cfg.n_layers)
         return GPT(cfg) if self.spec.arch == "gpt" else _EncoderLM(cfg)
 
     def _batch(self, tokens: torch.Tensor, step: int, rank: int, stream: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -245,7 +265,14 @@ class DigitsTask:
         self.x_val, self.y_val = x[order[:n_val]], y[order[:n_val]]
         self.x_train, self.y_train = x[order[n_val:]], y[order[n_val:]]
 
+    @property
+    def arch(self) -> str:
+        """``cnn`` or ``mlp`` (the spec's default ``gpt`` means the MLP)."""
+        return "cnn" if self.spec.arch == "cnn" else "mlp"
+
     def build_model(self) -> nn.Module:
+        if self.arch == "cnn":
+            return DigitsCNN(channels=self.spec.d_model, layers=self.spec.n_layers)
         return _MLP(64, self.spec.d_model, self.spec.n_layers, 10)
 
     def _batch(
@@ -264,7 +291,7 @@ class DigitsTask:
     def describe(self) -> dict[str, Any]:
         return {
             "task": "digits",
-            "arch": "mlp",
+            "arch": self.arch,
             "model": {"width": self.spec.d_model, "layers": self.spec.n_layers},
             "corpus": {"name": "sklearn.datasets.load_digits", "train": len(self.y_train), "val": len(self.y_val)},
         }
