@@ -89,7 +89,7 @@ class DiLoCo(OuterLoop):
             settings=f"{outer_lr}|{outer_momentum}|{nesterov}|{wire_dtype}",
         )
 
-    def _check_settings(self) -> None:
+    def _check_outer(self) -> None:
         outer_lr, momentum, nesterov, wire_dtype = self._given
         self.outer_lr = check_rate("outer_lr", outer_lr, low=0.0, high=math.inf, low_open=True, high_open=True)
         self.outer_momentum = check_rate("outer_momentum", momentum, low=0.0, high=1.0, high_open=True)
@@ -100,7 +100,7 @@ class DiLoCo(OuterLoop):
             raise ValueError(f"Invalid wire_dtype: {wire_dtype!r} (must be one of {WIRE_DTYPES})")
         self.wire_dtype = wire_dtype
 
-    def _make_buffers(self) -> None:
+    def _make_outer_buffers(self) -> None:
         n = self._bucket.numel
         self._momentum = torch.zeros(n, dtype=torch.float32, device=self._bucket.device)
         self._delta = torch.zeros(n, dtype=self.wire_dtype, device=self._bucket.device)

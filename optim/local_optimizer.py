@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -46,12 +45,10 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-import sparsecomm.distributed as dist
 from bindings import ReduceOp
 from optim.averaging import Averaging, ReplicaAverager
-from optim.buckets import FlatBucket
 from optim.noise import NoiseScale, check_noise_state, effective_world_size
-from optim.sharded import _ShardedOptimizer, agree
+from optim.wrapping import WrappingOptimizer
 
 __all__ = ["NOISE", "LocalOptimizer"]
 
@@ -63,84 +60,12 @@ _DEBIASED = (torch.optim.Adam, torch.optim.AdamW)
 
 logger = logging.getLogger(__name__)
 
-_WRAPPED: weakref.WeakSet[Optimizer] = weakref.WeakSet()
-"""The optimizers a :class:`LocalOptimizer` wraps: a second wrapper of one is refused."""
-
 
 def _debiasable(optimizer: Optimizer) -> bool:
     return isinstance(optimizer, _DEBIASED) and not any(g.get("amsgrad") for g in optimizer.param_groups)
 
 
-def _check_inner(optimizer: object, model: object) -> None:
-    """Refuse what cannot be wrapped (local checks, the same on every rank)."""
-    if not isinstance(optimizer, Optimizer):
-        raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if isinstance(optimizer, (_ShardedOptimizer, LocalOptimizer)):
-        raise TypeError(
-            f"optimizer: {type(optimizer).__name__} synchronizes the ranks itself; wrap a plain torch.optim "
-            "optimizer (e.g. torch.optim.AdamW) that steps this rank's replica alone"
-        )
-    if optimizer in _WRAPPED:
-        raise ValueError("optimizer: it is already wrapped by a LocalOptimizer; wrap each optimizer once")
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-    mine = [p for g in optimizer.param_groups for p in g["params"]]
-    names = {id(p): n for n, p in model.named_parameters()}
-    foreign = [i for i, p in enumerate(mine) if id(p) not in names]
-    if foreign:
-        raise ValueError(
-            f"optimizer: {len(foreign)} of its parameters (first: position {foreign[0]}) are not the model's; "
-            "build the optimizer over model.parameters()"
-        )
-    held = {id(p) for p in mine}
-    missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
-    if missing:
-        raise ValueError(
-            f"model: {len(missing)} trainable parameters are not the optimizer's (first: {missing[0]}); "
-            "their replicas would drift apart unaveraged: give them to the optimizer or freeze them"
-        )
-
-
-def average_grads(comm: Any, bucket: FlatBucket, buf: Tensor) -> None:
-    """Replace every parameter's gradient by the ranks' average (one dense all_reduce of ``buf``, padded flat fp32).
-
-    Collective: every rank must call this. A parameter without a gradient
-    counts as zeros and gets the average too, so every replica takes the same step.
-    """
-    missing = set(bucket.gather_grads(buf))
-    comm.all_reduce(buf, ReduceOp.AVG)
-    for i, (p, off) in enumerate(zip(bucket.params, bucket.offsets, strict=True)):
-        avg = buf[off : off + p.numel()].view(p.shape)
-        if i in missing:
-            p.grad = avg.clone()  # another rank had one: every replica takes the same step
-        else:
-            p.grad.copy_(avg)  # type: ignore[union-attr]
-
-
-class _Wrapped:
-    """An attribute of the wrapped optimizer, read and written through the wrapper.
-
-    ``Optimizer.__init__`` sets it before the wrapped optimizer is attached: kept on the wrapper until then.
-    """
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __get__(self, obj: Any, owner: type | None = None) -> Any:
-        if obj is None:
-            return self
-        inner = obj.__dict__.get("optimizer")
-        return getattr(inner, self.name) if inner is not None else obj.__dict__["_" + self.name]
-
-    def __set__(self, obj: Any, value: Any) -> None:
-        inner = obj.__dict__.get("optimizer")
-        if inner is None:
-            obj.__dict__["_" + self.name] = value
-        else:
-            setattr(inner, self.name, value)
-
-
-class LocalOptimizer(Optimizer):
+class LocalOptimizer(WrappingOptimizer):
     """Wrap ``optimizer``: every rank steps its own replica; a window of the parameters is averaged after each step.
 
     See the module docstring. ``param_groups`` and ``state`` are the wrapped
@@ -202,77 +127,54 @@ class LocalOptimizer(Optimizer):
         max_grad_norm: float = 0.0,
         group: Any = None,
     ) -> None:
-        self._comm = dist.get_communicator(group)
-        error: ValueError | TypeError | None = None
-        fp = 0
-        try:
-            _check_inner(optimizer, model)
-            if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or max_grad_norm < 0:
-                raise ValueError(f"Invalid max_grad_norm: {max_grad_norm!r} (must be >= 0)")
-            if noise not in NOISE:
-                raise ValueError(f"Invalid noise: {noise!r} (must be one of {NOISE})")
-            if noise in ("debias", "measured") and not _debiasable(optimizer):  # type: ignore[arg-type]
-                raise ValueError(
-                    f"noise={noise!r} corrects the second moment of torch.optim.Adam / AdamW without amsgrad, "
-                    f"not of {type(optimizer).__name__}: use noise='keep'"
-                )
-            if average_moment not in ("auto", True, False):
-                raise ValueError(f"Invalid average_moment: {average_moment!r} (must be 'auto', True or False)")
-            if average_moment is True and not _debiasable(optimizer):  # type: ignore[arg-type]
-                raise ValueError(
-                    "average_moment averages the first moment (exp_avg) of torch.optim.Adam / AdamW without "
-                    f"amsgrad, not of {type(optimizer).__name__}"
-                )
-            if average_moment == "auto" or not _debiasable(optimizer):  # type: ignore[arg-type]
-                average_moment = False  # auto: off (see the argument's documentation)
-            self.averaging = Averaging.resolve(
-                density=density,
-                schedule=schedule,
-                warmup_steps=warmup_steps,
-                wire_dtype=wire_dtype,
-                wire_bits=wire_bits,
-                window_order=window_order,
-                overlap=overlap,
-                average_moment=average_moment,
+        self._given: dict[str, Any] = {
+            "density": density,
+            "schedule": schedule,
+            "warmup_steps": warmup_steps,
+            "wire_dtype": wire_dtype,
+            "wire_bits": wire_bits,
+            "window_order": window_order,
+            "overlap": overlap,
+            "noise": noise,
+            "average_moment": average_moment,
+        }
+        super().__init__(optimizer, model, max_grad_norm=max_grad_norm, group=group)
+
+    def _check_settings(self, optimizer: Optimizer) -> str:
+        given = dict(self._given)
+        noise, average_moment = given.pop("noise"), given.pop("average_moment")
+        if noise not in NOISE:
+            raise ValueError(f"Invalid noise: {noise!r} (must be one of {NOISE})")
+        if noise in ("debias", "measured") and not _debiasable(optimizer):
+            raise ValueError(
+                f"noise={noise!r} corrects the second moment of torch.optim.Adam / AdamW without amsgrad, "
+                f"not of {type(optimizer).__name__}: use noise='keep'"
             )
-            """The averaging's settings, every ``"auto"`` resolved."""
-            groups = [{"params": g["params"], "wd_min_ndim": 0} for g in optimizer.param_groups]
-            self._bucket = FlatBucket(groups, self._comm.rank, self._comm.world_size)
-            if self._bucket.dtype != torch.float32:
-                raise ValueError(f"params: LocalOptimizer averages fp32 parameters, got {self._bucket.dtype}")
-            fp = self._bucket.fingerprint(f"LocalOptimizer|{type(optimizer).__qualname__}|{self.averaging}|{noise}")
-        except (ValueError, TypeError) as exc:
-            error = exc
-        agree(self._comm, fp, error)
-        super().__init__([{"params": list(g["params"])} for g in optimizer.param_groups], {})
-        self.optimizer = optimizer
-        """The wrapped optimizer: it steps this rank's replica."""
-        _WRAPPED.add(optimizer)
-        self.model = model
-        self.max_grad_norm = float(max_grad_norm)
-        self.last_grad_norm: float | None = None
-        """The global norm of the gradient the wrapped optimizer saw at the last step (``max_grad_norm`` set)."""
+        if average_moment not in ("auto", True, False):
+            raise ValueError(f"Invalid average_moment: {average_moment!r} (must be 'auto', True or False)")
+        if average_moment is True and not _debiasable(optimizer):
+            raise ValueError(
+                "average_moment averages the first moment (exp_avg) of torch.optim.Adam / AdamW without "
+                f"amsgrad, not of {type(optimizer).__name__}"
+            )
+        if average_moment == "auto" or not _debiasable(optimizer):
+            average_moment = False  # auto: off (see the argument's documentation)
+        self.averaging = Averaging.resolve(**given, average_moment=average_moment)
+        """The averaging's settings, every ``"auto"`` resolved."""
+        self.noise = noise if noise != "auto" else "measured" if _debiasable(optimizer) else "keep"
+        """``"measured"``, ``"debias"`` or ``"keep"`` (``"auto"`` resolved)."""
+        return f"{self.averaging}|{self.noise}"
+
+    def _make_buffers(self) -> None:
         b = self._bucket
-        self._flat = b.new_flat()
-        b.bind_params(self._flat)  # the parameters are views of the replica: the averaging writes them in place
-        self._grad = b.new_flat()
         buffers = {"params": self._flat}
         self._m: Tensor | None = None
         if self.averaging.average_moment:
             self._m = b.new_flat()  # the wrapped optimizer's exp_avg become views of it (_bind_moments)
             buffers["exp_avg"] = self._m
         self._avg = ReplicaAverager(self._comm, b, self.averaging, buffers)
-        self.noise = noise if noise != "auto" else "measured" if _debiasable(optimizer) else "keep"
-        """``"measured"``, ``"debias"`` or ``"keep"`` (``"auto"`` resolved)."""
         self.noise_scale: NoiseScale | None = NoiseScale() if self.noise == "measured" else None
         """The measured share of the noise estimate that is noise across ranks (``noise="measured"``)."""
-        self._step = 0
-
-    # ------------------------------------------------------------------ torch.optim surface
-    # param_groups, state and defaults are the wrapped optimizer's, also after its load_state_dict replaced them
-    param_groups = _Wrapped("param_groups")  # type: ignore[assignment]
-    state = _Wrapped("state")  # type: ignore[assignment]
-    defaults = _Wrapped("defaults")  # type: ignore[assignment]
 
     @property
     def density(self) -> float:
@@ -288,26 +190,9 @@ class LocalOptimizer(Optimizer):
         return self._avg.k
 
     @property
-    def bucket(self) -> FlatBucket:
-        """The flat layout of the parameters."""
-        return self._bucket
-
-    @property
-    def communicator(self) -> Any:
-        return self._comm
-
-    @property
     def anchor(self) -> Tensor | None:
         """The last average of every position, the same on every rank (padded flat fp32); ``None``: float32 values."""
         return self._avg.anchor()
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if hasattr(self, "optimizer"):
-            raise RuntimeError("LocalOptimizer: param groups cannot be added after construction")
-        super().add_param_group(param_group)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -316,22 +201,12 @@ class LocalOptimizer(Optimizer):
         Collective: every rank must call this. In the warm-up the gradients
         are averaged first (one dense all_reduce).
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._run_closure(closure)
         self._avg.settle(self._step)
+        self._check_replica()
         t, b = self._step, self._bucket
-        b.check_params()
-        if b.rebind(self._flat):
-            logger.info("LocalOptimizer: the storage of parameters was replaced; re-bound with their values")
-        if t < self.warmup_steps and b.world_size > 1:
-            self._average_grads()
-        if self.max_grad_norm > 0:
-            params = [p for p in b.params if p.grad is not None]
-            self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm))
         self._bind_moments()  # a loaded state's exp_avg: into the averaged buffer before the step
-        self.optimizer.step()
+        self._inner_step(t < self.warmup_steps)
         self._bind_moments()  # state made by this step
         if self.noise != "keep" and t >= self.warmup_steps and b.world_size > 1:
             self._debias(t)
@@ -359,9 +234,6 @@ class LocalOptimizer(Optimizer):
             if cur.data_ptr() != view.data_ptr():
                 view.copy_(cur)
                 st["exp_avg"] = view
-
-    def _average_grads(self) -> None:
-        average_grads(self._comm, self._bucket, self._grad)
 
     def _debias(self, t: int) -> None:
         """Take this step's excess noise out of Adam's second moment ``v`` (the wrapped optimizer's ``exp_avg_sq``).
@@ -422,6 +294,8 @@ class LocalOptimizer(Optimizer):
 
     # ------------------------------------------------------------------ the replicas' average
     def _average_replicas(self) -> None:
+        """The averaging in flight (``overlap``) added to the replica, then one dense all_reduce of the replicas."""
+        self._avg.landed_into(self._flat)
         with self._comm.stats.scope("average"):
             self._comm.all_reduce(self._flat, ReduceOp.AVG)
 
@@ -447,14 +321,8 @@ class LocalOptimizer(Optimizer):
         """
         with torch.no_grad():
             self._avg.settle(self._step)
-            own = self._flat.clone()
-            self._avg.landed_into(self._flat)
-            self._average_replicas()
-        try:
+        with super().averaged():
             yield
-        finally:
-            with torch.no_grad():
-                self._flat.copy_(own)
 
     def abandon(self) -> None:
         """Drop the averaging in flight without waiting for it (its transport failed). Local."""

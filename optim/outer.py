@@ -19,21 +19,18 @@ become views of one flat fp32 buffer.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-import sparsecomm.distributed as dist
 from bindings import ReduceOp
-from optim.buckets import FlatBucket
-from optim.local_optimizer import _WRAPPED, _check_inner, _Wrapped, average_grads
-from optim.sharded import agree
+from optim.averaging import check_steps
+from optim.wrapping import WrappingOptimizer
 
 __all__ = ["OuterLoop", "check_period", "check_rate"]
 
@@ -60,7 +57,7 @@ def check_rate(
     return v
 
 
-class OuterLoop(Optimizer):
+class OuterLoop(WrappingOptimizer):
     """Wrap ``optimizer``: local steps of every rank's replica, an outer step every ``period`` steps (a base class).
 
     See the module docstring. ``param_groups`` and ``state`` are the wrapped
@@ -99,53 +96,24 @@ class OuterLoop(Optimizer):
         group: Any,
         settings: str,
     ) -> None:
-        self._comm = dist.get_communicator(group)
-        name = type(self).__name__
-        error: ValueError | TypeError | None = None
-        fp = 0
-        try:
-            if isinstance(optimizer, OuterLoop):
-                raise TypeError(
-                    f"optimizer: {type(optimizer).__name__} synchronizes the ranks itself; wrap a plain torch.optim "
-                    "optimizer (e.g. torch.optim.AdamW) that steps this rank's replica alone"
-                )
-            _check_inner(optimizer, model)
-            self._period = check_period(period)
-            if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-                raise ValueError(f"Invalid warmup_steps: {warmup_steps!r} (must be an int >= 0)")
-            self.max_grad_norm = check_rate("max_grad_norm", max_grad_norm, low=0.0, high=math.inf, high_open=True)
-            groups = [{"params": g["params"], "wd_min_ndim": 0} for g in optimizer.param_groups]
-            self._bucket = FlatBucket(groups, self._comm.rank, self._comm.world_size)
-            if self._bucket.dtype != torch.float32:
-                raise ValueError(f"params: {name} steps fp32 parameters, got {self._bucket.dtype}")
-            self._check_settings()
-            fp = self._bucket.fingerprint(
-                f"{name}|{type(optimizer).__qualname__}|{period}|{warmup_steps}|{max_grad_norm}|{settings}"
-            )
-        except (ValueError, TypeError) as exc:
-            error = exc
-        agree(self._comm, fp, error)
-        super().__init__([{"params": list(g["params"])} for g in optimizer.param_groups], {})
-        self.optimizer = optimizer
-        """The wrapped (inner) optimizer: it steps this rank's replica."""
-        _WRAPPED.add(optimizer)
-        self.model = model
-        self._warmup = warmup_steps
-        self.last_grad_norm: float | None = None
-        """The global norm of the gradient the wrapped optimizer saw at the last step (``max_grad_norm`` set)."""
-        b = self._bucket
-        self._flat = b.new_flat()
-        b.bind_params(self._flat)  # the parameters are views of the replica: the outer step writes them in place
-        self._global = self._flat.clone()
-        self._grad = b.new_flat()
-        self._step = 0
-        self._make_buffers()
+        self._period_given, self._warmup_given, self._settings = period, warmup_steps, settings
+        super().__init__(optimizer, model, max_grad_norm=max_grad_norm, group=group)
 
-    # ------------------------------------------------------------------ for subclasses
-    def _check_settings(self) -> None:
-        """Raise ``ValueError`` for a bad setting of the subclass (local, the same on every rank)."""
+    def _check_settings(self, optimizer: Optimizer) -> str:
+        self._period = check_period(self._period_given)
+        self._warmup = check_steps("warmup_steps", self._warmup_given)
+        self._check_outer()
+        return f"{self._period}|{self._warmup}|{self._settings}"
 
     def _make_buffers(self) -> None:
+        self._global = self._flat.clone()
+        self._make_outer_buffers()
+
+    # ------------------------------------------------------------------ for subclasses
+    def _check_outer(self) -> None:
+        """Raise ``ValueError`` for a bad setting of the subclass (local, the same on every rank)."""
+
+    def _make_outer_buffers(self) -> None:
         """Make the subclass's buffers (after the bucket and the global parameters exist)."""
 
     def _outer_step(self) -> None:
@@ -157,10 +125,6 @@ class OuterLoop(Optimizer):
         return {}
 
     # ------------------------------------------------------------------ torch.optim surface
-    param_groups = _Wrapped("param_groups")  # type: ignore[assignment]
-    state = _Wrapped("state")  # type: ignore[assignment]
-    defaults = _Wrapped("defaults")  # type: ignore[assignment]
-
     @property
     def period(self) -> int:
         """Steps between two outer steps (H)."""
@@ -169,15 +133,6 @@ class OuterLoop(Optimizer):
     @property
     def warmup_steps(self) -> int:
         return self._warmup
-
-    @property
-    def bucket(self) -> FlatBucket:
-        """The flat layout of the parameters."""
-        return self._bucket
-
-    @property
-    def communicator(self) -> Any:
-        return self._comm
 
     @property
     def global_params(self) -> Tensor:
@@ -189,14 +144,6 @@ class OuterLoop(Optimizer):
         t = self._step
         return t <= self._warmup or (t - self._warmup) % self._period == 0
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if hasattr(self, "optimizer"):
-            raise RuntimeError(f"{type(self).__name__}: param groups cannot be added after construction")
-        super().add_param_group(param_group)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Step the wrapped optimizer on this rank's gradient; every ``period`` local steps, an outer step.
@@ -204,21 +151,11 @@ class OuterLoop(Optimizer):
         Collective: every rank must call this. In the warm-up the gradients
         are averaged first (one dense all_reduce).
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        t, b = self._step, self._bucket
-        b.check_params()
-        if b.rebind(self._flat):
-            logger.info("%s: the storage of parameters was replaced; re-bound with their values", type(self).__name__)
+        loss = self._run_closure(closure)
+        self._check_replica()
+        t = self._step
         warm = t < self._warmup
-        if warm and b.world_size > 1:
-            average_grads(self._comm, b, self._grad)
-        if self.max_grad_norm > 0:
-            params = [p for p in b.params if p.grad is not None]
-            self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm))
-        self.optimizer.step()
+        self._inner_step(warm)
         self._step = t + 1
         if warm:
             self._global.copy_(self._flat)
@@ -229,6 +166,7 @@ class OuterLoop(Optimizer):
 
     # ------------------------------------------------------------------ the replicas' average
     def _average_replicas(self) -> None:
+        """One dense all_reduce of the replicas; none right after an outer step (they are the global parameters)."""
         if self.in_sync():
             return  # every replica holds the global parameters
         with self._comm.stats.scope("average"):
@@ -245,23 +183,6 @@ class OuterLoop(Optimizer):
         """
         self._average_replicas()
         self._global.copy_(self._flat)
-
-    @contextlib.contextmanager
-    def averaged(self) -> Iterator[None]:
-        """Inside the block the parameters hold the average of the replicas; after it, this rank's own again.
-
-        Collective: every rank must enter it (one dense all_reduce, none right
-        after an outer step, when the replicas are the global parameters). Do
-        not step inside the block.
-        """
-        with torch.no_grad():
-            own = self._flat.clone()
-            self._average_replicas()
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                self._flat.copy_(own)
 
     def close(self) -> None:
         """Nothing runs in the background: a no-op, for the callers of :meth:`optim.LocalOptimizer.close`."""

@@ -239,7 +239,7 @@ class SparseLoCo(OuterLoop):
         self.last_sent: tuple[Tensor, Tensor] | None = None
         """What this rank sent at its last outer step: flat positions, and their values as every rank decodes them."""
 
-    def _check_settings(self) -> None:
+    def _check_outer(self) -> None:
         period, fraction, density, chunk, bits, outer_lr, decay = self._given
         self.outer_lr = check_rate("outer_lr", outer_lr, low=0.0, high=math.inf, low_open=True, high_open=True)
         self.decay = check_rate("decay", decay, low=0.0, high=1.0, high_open=True)
@@ -252,7 +252,7 @@ class SparseLoCo(OuterLoop):
             return
         self.plan = fixed_plan(b.numel, period=self._period, fraction=fraction, chunk=chunk, bits=bits)
 
-    def _make_buffers(self) -> None:
+    def _make_outer_buffers(self) -> None:
         p, dev = self.plan, self._bucket.device
         self._error = torch.zeros(p.chunks * p.chunk, dtype=torch.float32, device=dev)
         self._update = torch.zeros_like(self._error)
