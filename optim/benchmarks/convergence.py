@@ -338,18 +338,22 @@ def run_file_name(name: str, config: TrainConfig) -> str:
     return f"{name}-{hashlib.blake2b(text.encode(), digest_size=6).hexdigest()}.json"
 
 
-def _stored_run(path: Path | None, commit: str) -> dict[str, Any] | None:
-    """The record in ``path`` if it was written at ``commit`` (a known one), else ``None``."""
-    if path is None or not path.is_file() or commit == "unknown":
+REUSE = ("commit", "any", "none")
+"""Which stored run files :func:`run_convergence` takes: written at this commit, at any commit, or none."""
+
+
+def _stored_run(path: Path | None, commit: str, reuse: str) -> dict[str, Any] | None:
+    """The record in ``path`` if ``reuse`` allows its commit (``"commit"``: this one, a known one), else ``None``."""
+    if path is None or reuse == "none" or not path.is_file() or (reuse == "commit" and commit == "unknown"):
         return None
     try:
         record = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         logger.warning("convergence: ignoring the unreadable run file %s: %s", path, exc)
         return None
-    if not isinstance(record, dict) or record.get("commit") != commit:
+    if not isinstance(record, dict) or (reuse == "commit" and record.get("commit") != commit):
         return None
-    logger.info("convergence: %s taken from %s", record.get("name"), path)
+    logger.info("convergence: %s taken from %s (commit %s)", record.get("name"), path, record.get("commit"))
     return record
 
 
@@ -360,6 +364,7 @@ def run_convergence(
     methods: Sequence[str] = ("scape",),
     on_run: OnRun | None = None,
     runs_dir: str | Path | None = None,
+    reuse: str = "commit",
 ) -> dict[str, Any]:
     """Train ``base`` with every variant of :func:`convergence_variants`; return the benchmark record.
 
@@ -372,6 +377,10 @@ def run_convergence(
             (:func:`run_file_name`) and take a run from its file instead of
             training it when the file holds the same configuration and was
             written at the same commit: an interrupted suite goes on where it stopped.
+        reuse: Which run files to take (:data:`REUSE`): ``"commit"`` (default)
+            those written at this commit, ``"any"`` those of any commit (each
+            record keeps its own: the caller vouches that the code of those
+            runs did not change), ``"none"``: train every run again.
 
     Returns:
         ``runs`` (one :func:`summarize_run` record each, plus ``ratio_to_adams``
@@ -382,13 +391,15 @@ def run_convergence(
     Raises:
         LocalRunError: A rank of a run failed.
     """
+    if reuse not in REUSE:
+        raise ValueError(f"Invalid reuse: {reuse!r} (must be one of {REUSE})")
     t_all = time.perf_counter()
     runs: list[dict[str, Any]] = []
     commit = git_commit()
     for name, overrides in convergence_variants(densities, methods):
         config = dataclasses.replace(base, **overrides)
         path = None if runs_dir is None else Path(runs_dir) / run_file_name(name, config)
-        record = _stored_run(path, commit)
+        record = _stored_run(path, commit, reuse)
         if record is None:
             t0 = time.perf_counter()
             result = launch_local(config)

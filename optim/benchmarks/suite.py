@@ -101,6 +101,7 @@ def run_suite(
     overrides: dict[str, Any] | None = None,
     on_run: OnRun | None = None,
     runs_dir: str | Path | None = None,
+    reuse: str = "commit",
 ) -> dict[str, Any]:
     """Run the suite; return its record (see the module docstring).
 
@@ -122,6 +123,7 @@ def run_suite(
         on_run: Called with ``(setting, steps, run record)`` when a run finishes.
         runs_dir: Each run's record in a file of its own here, taken from it
             when run again at the same commit (see :func:`optim.benchmarks.convergence.run_convergence`).
+        reuse: Which run files to take: ``"commit"``, ``"any"`` or ``"none"`` (as ``run_convergence``).
 
     Returns:
         ``rows`` (one per setting, horizon and run, over the seeds), ``seed_rows``
@@ -163,9 +165,8 @@ def run_suite(
         for seed in seeds_of[split_of(name)]:
             for steps in trained:
                 base = dataclasses.replace(probe, steps=steps, seed=seed)
-                bench = run_convergence(
-                    base, densities, methods=methods, on_run=_tagged(on_run, name, steps), runs_dir=runs_dir
-                )
+                tagged = _tagged(on_run, name, steps)
+                bench = run_convergence(base, densities, methods=methods, on_run=tagged, runs_dir=runs_dir, reuse=reuse)
                 judged = [h for h in hs if h <= steps] if steps == hs[-1] and _is_constant(probe) else [steps]
                 for h in judged:
                     rows.extend({**r, "seed": seed} for r in _rows_at(name, h, steps, bench["runs"]))

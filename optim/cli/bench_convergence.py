@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from bindings.spawn import LocalRunError
-from optim.benchmarks.convergence import DEFAULT_DENSITIES, METHODS, run_convergence
+from optim.benchmarks.convergence import DEFAULT_DENSITIES, METHODS, REUSE, run_convergence
 from optim.benchmarks.output import write_bench_json
 from optim.benchmarks.suite import HELDOUT_SEEDS, HORIZONS, SETTINGS, SPLITS
 from optim.cli.options import add_model_options, add_scape_options, densities_arg, model_settings, scape_settings
@@ -106,6 +106,7 @@ def _cmd_suite(args: argparse.Namespace) -> int:
             overrides=overrides,
             on_run=progress,
             runs_dir=out / "runs",
+            reuse=args.reuse_runs,
         )
     except ValueError as exc:
         args.cmd_parser.error(str(exc))
@@ -211,6 +212,13 @@ def add_convergence_parser(inner: Any) -> None:
         help="run the convergence suite (every setting of a split of optim.benchmarks.suite_settings at every "
         "horizon) instead of one setting; model, schedule and corpus options are then the settings' own. Writes "
         "OUT/suite.json, OUT/suite.txt and OUT/suite.png",
+    )
+    p.add_argument(
+        "--reuse-runs",
+        choices=REUSE,
+        default="commit",
+        help="suite: take a run from OUT/runs/ when its file was written at this commit (commit), at any commit "
+        "(any: runs whose code did not change, e.g. the dense references), or train every run again (none)",
     )
     p.add_argument(
         "--split",
