@@ -87,7 +87,7 @@ from torch import Tensor
 from bindings import ReduceOp
 from optim.adams import debiased_adams_step_
 from optim.averaging import LOCAL_SCHEDULES, WIRE_DTYPES, Averaging, ReplicaAverager, auto_wire_bits
-from optim.noise import NoiseScale, check_noise_state, effective_world_size
+from optim.noise import NoiseScale, check_noise_state, effective_world_size, local_share
 from optim.replicated import ReplicatedAdamS
 from optim.window_order import WINDOW_ORDERS
 from sparsecomm.mask import ShardedMask
@@ -302,6 +302,7 @@ class LocalAdamS(ReplicatedAdamS):
         if not self._local_phase or p == 1:  # averaged gradients (or one rank): plain AdamS
             super()._segment_update(w, state, g, grp, wd, step)
             return
+        share = local_share(step, self.warmup_steps, beta2)  # of the statistic that local gradients filled
         debiased_adams_step_(
             w,
             state["exp_avg"],
@@ -313,7 +314,7 @@ class LocalAdamS(ReplicatedAdamS):
             eps=grp["eps"],
             weight_decay=wd,
             step=step,
-            world_size=p if self.noise is None else effective_world_size(self.noise.rho, p),
+            world_size=effective_world_size(share * (1.0 if self.noise is None else self.noise.rho), p),
             var_sum=None if self.noise is None else self._var_sum,
             shared_moment=self.average_moment,
         )

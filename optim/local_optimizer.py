@@ -47,7 +47,7 @@ from torch.optim import Optimizer
 
 from bindings import ReduceOp
 from optim.averaging import Averaging, ReplicaAverager
-from optim.noise import NoiseScale, check_noise_state, effective_world_size
+from optim.noise import NoiseScale, check_noise_state, effective_world_size, local_share
 from optim.wrapping import WrappingOptimizer
 
 __all__ = ["NOISE", "LocalOptimizer"]
@@ -254,16 +254,20 @@ class LocalOptimizer(WrappingOptimizer):
         estimate measured to be noise across the ranks
         (:class:`optim.noise.NoiseScale`, one small all_reduce per step); the
         rest is how the gradient moves over the steps, which dense Adam keeps.
-        The gradient is ``p.grad`` (after clipping): Adam's own L2 term
+        Right after the warm-up ``v`` holds the averaged gradients' history:
+        the correction grows in with the share of ``v`` local steps have
+        filled (:func:`optim.noise.local_share`). The gradient is ``p.grad`` (after clipping): Adam's own L2 term
         (``torch.optim.Adam`` with ``weight_decay``) is not in it.
         """
         world = self._bucket.world_size
         scale = self.noise_scale
-        p_ = world if scale is None else effective_world_size(scale.rho, world)
-        work: list[tuple[Tensor, Tensor, Tensor, float, Tensor]] = []  # v, g, var, 1 - beta2, floor c2 * m_hat**2
+        rho = 1.0 if scale is None else scale.rho
+        work: list[tuple[Tensor, Tensor, Tensor, float, Tensor, float]] = []  # v, g, var, 1 - beta2, floor, share
         var_sum = torch.zeros((), dtype=torch.float64)
         for group in self.optimizer.param_groups:
             beta1, beta2 = group["betas"]
+            share = local_share(t + 1, self.warmup_steps, beta2)  # of v that this rank's own gradients filled
+            p_ = effective_world_size(rho * share, world)
             for p in group["params"]:
                 st = self.optimizer.state.get(p)
                 if not st or "exp_avg_sq" not in st or p.grad is None:
@@ -274,13 +278,12 @@ class LocalOptimizer(WrappingOptimizer):
                 m2 = (st["exp_avg"] / c1).square_()
                 var = (v / c2).sub_(m2).clamp_(min=0.0).mul_(p_)
                 var_sum += var.sum(dtype=torch.float64)
-                work.append((v, p.grad, var, 1.0 - beta2, m2.mul_(c2)))
+                work.append((v, p.grad, var, 1.0 - beta2, m2.mul_(c2), share))
         if scale is not None:
             self._bucket.gather_grads(self._grad)
             rho = scale.measure(self._comm, self._grad, (1.0 - 1.0 / world) * float(var_sum), t)
-            p_ = effective_world_size(rho, world)
-        excess = 1.0 - 1.0 / p_
-        for v, g, var, one_minus_beta2, floor in work:
+        for v, g, var, one_minus_beta2, floor, share in work:
+            excess = 1.0 - 1.0 / effective_world_size(rho * share, world)
             if self._m is None:
                 v.sub_(var, alpha=one_minus_beta2 * excess)
             else:

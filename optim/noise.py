@@ -36,7 +36,7 @@ from torch import Tensor
 from bindings import ReduceOp
 from optim.sharded import squared_norm
 
-__all__ = ["NoiseScale", "check_noise_state", "effective_world_size", "sign_sketch"]
+__all__ = ["NoiseScale", "check_noise_state", "effective_world_size", "local_share", "sign_sketch"]
 
 
 def _check_columns(columns: object) -> None:
@@ -77,6 +77,22 @@ def sign_sketch(g: Tensor, columns: int, generator: torch.Generator) -> Tensor:
     if tail:
         out[:tail].add_(g[rows * columns :], alpha=float(signs[rows]))
     return out
+
+
+def local_share(steps: int, warmup_steps: int, beta2: float) -> float:
+    """The share of a bias-corrected second-moment EMA over ``steps`` steps that the steps past the warm-up filled.
+
+    ``(1 - beta2**(steps - warmup_steps)) / (1 - beta2**steps)``: 1 without a
+    warm-up. After the warm-up's averaged gradients the statistic holds their
+    history, not a rank's own, and what it shows of the gradient's variance
+    is mostly how fast the gradient moved early in training: a noise estimate
+    drawn from it takes out as much of it as local gradients have filled in
+    (without that, the first local steps are up to ``sqrt(P)`` times larger
+    where the gradient moved fast, and the loss jumps at the switch).
+    """
+    if steps <= 0:
+        return 0.0
+    return (1.0 - beta2 ** max(0, steps - warmup_steps)) / (1.0 - beta2**steps)
 
 
 def effective_world_size(rho: float, world_size: int) -> float:

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from optim.cli.main import main
 from optim.benchmarks.convergence import convergence_variants, largest_loss_rise
+from optim.benchmarks.output import git_commit
+from optim.cli.main import main
 
 pytestmark = pytest.mark.dist
 
@@ -100,7 +101,7 @@ def test_convergence_suite_cli_end_to_end(
     ]  # fmt: skip
     assert main(argv) == 0
     printed = capsys.readouterr().out
-    for word in ("digits-mlp-const", "digits-mlp-cosine", "local@0.25", "topk@0.25", "worst@200", "wire bytes"):
+    for word in ("digits-mlp-const", "digits-mlp-cosine", "local@0.25", "topk@0.25", "worst at 200", "wire bytes"):
         assert word in printed, printed
     data = json.loads((out / "suite.json").read_text())
     assert (out / "suite.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -118,6 +119,15 @@ def test_convergence_suite_cli_end_to_end(
     worst = data["worst"]["local@0.25"]
     assert set(worst["by_horizon"]) == {"100", "200"} and worst["max_ratio"] is None  # no target at 0.25
     assert data["settings"]["digits-mlp-const"]["nproc"] == 2
+    # every run wrote its own file; run again, the suite takes them (same commit) and trains nothing
+    assert len(list((out / "runs").glob("*.json"))) == 12
+    stamps = {f: f.stat().st_mtime_ns for f in (out / "runs").glob("*.json")}
+    assert main(argv) == 0
+    capsys.readouterr()
+    again = json.loads((out / "suite.json").read_text())
+    assert [r["val_loss"] for r in again["rows"]] == [r["val_loss"] for r in data["rows"]]
+    if git_commit() != "unknown":  # outside a git checkout no run file is taken: trained again
+        assert {f: f.stat().st_mtime_ns for f in (out / "runs").glob("*.json")} == stamps
 
 
 def test_suite_rejects_unknown_settings(capsys: pytest.CaptureFixture[str]) -> None:
