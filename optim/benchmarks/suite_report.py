@@ -135,6 +135,26 @@ def worst_table(suite: dict[str, Any], *, digits: int = 4) -> Table:
     return Table(columns=columns, rows=tuple(rows), left=text_cols)
 
 
+def rise_table(suite: dict[str, Any], *, digits: int = 2) -> Table:
+    """One row per setting and trained run length: the largest one-step rise of the training loss after the
+    warm-up, of the larger dense run (AdamS, AdamW) and of each sparse run (``!``: above the dense one)."""
+    seen: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
+    for r in suite["rows"]:
+        if "largest_loss_rise" in r:
+            seen.setdefault((r["setting"], r.get("trained_steps", r["horizon"])), {})[r["name"]] = r
+    names = _order(sorted({n for cell in seen.values() for n in cell if n not in ("adams", "adamw")}))
+    columns = ("setting", "steps", "dense", *names)
+    rows = []
+    for (setting, steps), cell in seen.items():
+        dense = max(float(r["dense_largest_loss_rise"]) for r in cell.values())
+        out = [setting, str(steps), f"{dense:.{digits}f}"]
+        for n in names:
+            rise = cell.get(n, {}).get("largest_loss_rise")
+            out.append("-" if rise is None else f"{rise:.{digits}f}{'!' if rise > dense else ''}")
+        rows.append(tuple(out))
+    return Table(columns=columns, rows=tuple(rows), left=frozenset({0}))
+
+
 def _several_seeds(suite: dict[str, Any]) -> bool:
     return any(len(r.get("seeds", [])) > 1 for r in suite["rows"])
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from optim.benchmarks.output import Table, markdown_table
-from optim.benchmarks.suite_report import AGAINST, merge_suites, suite_table, summary_table, worst_table
+from optim.benchmarks.suite_report import AGAINST, merge_suites, rise_table, suite_table, summary_table, worst_table
 from optim.cli.bench_checkpoint import loopback_table, recovery_split_table, snapshot_table
 from optim.cli.bench_hooks import hook_table
 from optim.cli.bench_link import link_table
@@ -80,10 +80,15 @@ def _suite_summary(sources: list[tuple[str, Any]], options: dict[str, str]) -> T
     return summary_table(labelled, digits=_digits(options, 2), against=_against(options))
 
 
+def _suite_rise(sources: list[tuple[str, Any]], options: dict[str, str]) -> Table:
+    return rise_table(merge_suites([s for _, s in sources]), digits=_digits(options, 2))
+
+
 RENDERERS: dict[str, tuple[Renderer, frozenset[str]]] = {
     "suite": (_suite, frozenset({"digits", "against"})),
     "suite-worst": (_suite_worst, frozenset({"digits"})),
     "suite-summary": (_suite_summary, frozenset({"digits", "against"})),
+    "suite-rise": (_suite_rise, frozenset({"digits"})),
     "wallclock": (lambda s, o: wallclock_table(_one(s), rate=o.get("rate")), frozenset({"rate"})),
     "link": (lambda s, o: link_table(_one(s)), frozenset()),
     "recovery": (lambda s, o: recovery_table(_one(s), fault=o.get("fault")), frozenset({"fault"})),

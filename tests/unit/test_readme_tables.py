@@ -84,3 +84,22 @@ def test_result_files_record_the_commit(tmp_path: Path) -> None:
     assert git_commit(tmp_path) == "unknown"
     written = write_bench_json(tmp_path / "r.json", {"config": {"steps": 3}, "rows": []}).read_text()
     assert f'"commit": "{commit}"' in written and '"steps": 3' in written
+
+
+def test_the_rise_table_marks_a_sparse_run_that_rises_above_dense() -> None:
+    from optim.benchmarks.suite_report import rise_table
+
+    def row(name: str, rise: float) -> dict:
+        return {
+            "setting": "s",
+            "horizon": 300,
+            "trained_steps": 1000,
+            "name": name,
+            "largest_loss_rise": rise,
+            "dense_largest_loss_rise": 0.5,
+        }
+
+    suite = {"rows": [row("adams", 0.5), row("adamw", 0.4), row("local@0.1", 0.3), row("local@0.01", 0.7)]}
+    table = rise_table(suite)
+    assert table.columns == ("setting", "steps", "dense", "local@0.1", "local@0.01")
+    assert table.rows == (("s", "1000", "0.50", "0.30", "0.70!"),)
