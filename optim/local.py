@@ -1,78 +1,48 @@
-"""AdamS with a full replicated state on every rank: local steps (LocalAdamS) and the base of top-k (TopKAdamS).
+"""AdamS with a full replicated state on every rank: local steps (:class:`LocalAdamS`).
 
 SCAPE (:mod:`optim.scape`) moves a coordinate only at the steps whose mask
-selects it; at density d a coordinate moves about d times as far as under
-dense AdamS, and the loss gap grows with training (``benchmarks/README.md``,
-"Convergence suite"). The optimizers here keep every coordinate moving:
+selects it, so under a byte budget its coordinates fall behind dense AdamS's.
+:class:`LocalAdamS` keeps every coordinate moving: every rank runs AdamS on
+its own gradient over the whole model with its own full first moment, and
+after each step the ranks average part of the replicas
+(:class:`optim.averaging.ReplicaAverager`):
 
-:class:`LocalAdamS` (the method to pick under a byte budget)
-    Every rank runs AdamS on its own gradient over the whole model, with its
-    own full first moment. After each step the ranks average part of the
-    parameters:
+* ``schedule="staggered"`` (default): a window of every shard, moving by its
+  own length every step, a pure function of the step (no mask travels); every
+  coordinate is averaged once every ``shard_size / k`` steps;
+* ``schedule="periodic"``: a dense average of the parameters every ``1/d`` steps.
 
-    * ``schedule="staggered"`` (default): a window of ``k = ceil(d * shard_size)``
-      positions of every shard, moving by ``k`` every step, is averaged with one
-      :func:`sparsecomm.collectives.sparse_all_reduce` (a sparse reduce-scatter
-      plus a sparse all-gather: SCAPE's value bytes, and no mask bytes at all,
-      because the window is a pure function of the step). Every coordinate is
-      averaged once every ``ceil(shard_size / k)`` steps, and the traffic is the
-      same at every step;
-    * ``schedule="periodic"``: every ``round(1 / d)`` steps, one dense all-reduce
-      of the parameters (local SGD / DiLoCo-style averaging, outer step 1).
+By default the window carries each rank's change since the last average in
+low-bit codes with error feedback (:func:`optim.averaging.auto_wire_bits`),
+which buys several times the positions of float32 values for the same bytes.
+Where the window covers at least half of every shard per step it carries
+each rank's first-moment change too (``average_moment``): a rank normalizes a
+rare large gradient entry by its own first moment and would move that
+coordinate ``1/world_size`` as far as dense AdamS; with the first moments
+shared every rank carries it on.
 
-    The first ``warmup_steps`` steps average the gradients instead (one dense
-    all-reduce each), so every rank starts the local phase from the same,
-    well-conditioned state. By default the window carries each rank's change
-    since the last average in low-bit codes (:mod:`sparsecomm.quantized`:
-    :func:`auto_wire_bits` picks 4 bits at density 0.1 and 1 bit at 0.01 for
-    the parameters alone, so the window covers 7.5x and 25.6x the positions of
-    float32 values for the same bytes; what the codes drop is fed back, on each rank and at each
-    owner), and each rank's AdamS normalizer is *debiased*: a rank's gradient carries
-    ``world_size`` times the noise of the averaged gradient dense AdamS
-    normalizes by, which shrinks the steps of low-signal coordinates by up to
-    ``sqrt(world_size)`` (slow escapes from loss plateaus); the excess noise,
-    estimated per coordinate from the rank's own gradient history, is taken
-    out of the normalizer (at density 0.01 by default only as far as one tiny
-    all_reduce per step measures that estimate to be noise across the ranks,
-    ``normalizer="measured"``, :mod:`optim.noise`). Where the window covers
-    half of every shard per step or more (4-bit codes at 0.1), it carries each
-    rank's first moment's change since its last average too, in codes of the
-    same width (``average_moment``; :func:`auto_wire_bits` then picks 2 bits
-    at 0.1, so the same bytes average 95% of the positions of the parameters
-    alone): a rank whose gradient holds a rare large entry normalizes it by its
-    own first moment and moves that coordinate about ``1/world_size`` as far as
-    dense AdamS would; with the first moments shared every rank carries it on.
-    A shared first moment holds no more noise than dense AdamS's, so the
-    debiased normalizer then takes the excess noise out of the gradient's term
-    only (taken out of the first moment's square too, it made the steps too
-    large: 1.086x dense AdamS on stdlib-gpt-cosine at 1,000 steps, against
-    0.994x without). Between averages the
-    replicas differ: evaluate or save the model inside :meth:`LocalAdamS.averaged`, or call
-    :meth:`LocalAdamS.average_params` once training is over.
+A rank's gradient carries ``world_size`` times the noise of the averaged
+gradient dense AdamS normalizes by, which would shrink the steps of
+low-signal coordinates by up to ``sqrt(world_size)``. The *debiased*
+normalizer takes the excess out, estimated per coordinate from the rank's
+own history (:func:`optim.adams.debiased_adams_step_`); ``"measured"`` only as
+far as one tiny all_reduce per step measures it to be noise across the ranks
+(:mod:`optim.noise`); either grows in after the warm-up as local gradients
+fill the statistic (:func:`optim.noise.local_share`). The first
+``warmup_steps`` steps average the gradients (dense), so the replicas start
+the local phase identical. Between averages the replicas differ: evaluate or
+save inside :meth:`LocalAdamS.averaged`, or call
+:meth:`LocalAdamS.average_params` once training is over.
 
-:class:`optim.topk.TopKAdamS` (the suite's classic baseline, on :class:`optim.replicated.ReplicatedAdamS`)
-    Every rank adds its gradient to a local residual, sends its ``k`` largest
-    entries with their int32 indices (one all-gather of values, one of
-    indices), keeps the rest, and all ranks apply the same AdamS step to the
-    average of everyone's entries. The replicas stay identical.
-
-Memory: a full fp32 first moment on every rank (LocalAdamS's defaults add
-a second-moment EMA and the anchor, full size, and the owner's residual of the
-codes, the size of one shard; with ``average_moment`` the first moment's anchor,
-full size, and its owner's residual, one shard, too; or a bfloat16 buffer in
-place of the residual with bfloat16 changes; TopKAdamS a residual), instead of
-SCAPE's ``1/world_size`` share. The master shard is this rank's slice of its
-replica, not a copy. The parameter
-layout, gradient gathering and parameter following are those of
-:class:`optim.sharded.ShardedAdamS` (one flat fp32 buffer that the parameters
-view). Snapshots and state dicts hold this rank's whole replica (parameters,
-first moment, residual); restoring one needs no communication.
-
-Wire bytes (stats scopes): ``all_reduce`` (warm-up gradients, periodic
-averages), ``quantized_all_reduce`` (the window in codes, the default) or
-``sparse_all_reduce`` (bfloat16 or float32 values) of the staggered window, ``topk`` (values
-and indices), ``noise`` (the measured normalizer's sketch), and ``average`` for
-:meth:`LocalAdamS.averaged` / :meth:`LocalAdamS.average_params`.
+Memory: a full fp32 first moment, the normalizer's statistic and the anchor
+per rank, and the owner's residual of the codes (one shard), twice the last
+two with ``average_moment``. The master shard is this rank's slice of its
+replica. Snapshots and state dicts hold this rank's whole replica; restoring
+one needs no communication. Wire bytes by stats scope: ``all_reduce``
+(warm-up, periodic), ``quantized_all_reduce`` (codes) or ``sparse_all_reduce``
+(values) of the window, ``noise`` (the measured normalizer's sketch) and
+``average`` (:meth:`LocalAdamS.averaged`, :meth:`LocalAdamS.average_params`).
+Measurements: ``benchmarks/README.md``, "Convergence suite".
 """
 
 from __future__ import annotations
