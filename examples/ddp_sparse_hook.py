@@ -51,7 +51,7 @@ def main() -> None:
         print(f"final loss {loss.item():.4f}; {sent / 1e6:.2f} MB sent by rank 0", flush=True)
     if state is not None:
         state.close()
-    if isinstance(opt, optim.SCAPE):
+    if hasattr(opt, "close"):  # SCAPE: finish the mask gathers in flight
         opt.close()
     dist.destroy_process_group()
 

@@ -8,9 +8,10 @@ same re-sharding a resume onto another world size does), loads it into the
 user's model and writes ``model.state_dict()`` with ``torch.save``: a file
 that plain ``torch.load`` reads, with no sparsecomm needed to use it.
 
-Replicas that differ per slot (:class:`~optim.local.LocalAdamS`,
-:class:`~optim.local_optimizer.LocalOptimizer`: local
-steps between averaging) are averaged, as
+Replicas that differ per slot (an optimizer whose replicas drift,
+:attr:`~optim.capabilities.OptimizerCapabilities.replicas_drift`:
+:class:`~optim.local.LocalAdamS`, :class:`~optim.local_optimizer.LocalOptimizer`,
+local steps between averaging) are averaged, as
 :meth:`~optim.local.LocalAdamS.average_params` does at the end of a run.
 """
 
@@ -20,18 +21,16 @@ import os
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import cast
 
 import torch
 
 import sparsecomm.distributed as dist
 from bindings.store import open_store
+from optim.capabilities import SnapshotOptimizer, StateLayout, capabilities
 from optim.checkpoint import CheckpointError, CheckpointStore, export_state_dict, model_fingerprint, read_newest
-from optim.local import LocalAdamS
-from optim.local_optimizer import LocalOptimizer
-from optim.replicated import ReplicatedAdamS
 from optim.reshard import gather_full_state, restore_resharded
-from optim.sharded import _ShardedOptimizer
-from optim.training_state import load_plain
+from optim.training_state import load_replica
 
 __all__ = ["export_checkpoint"]
 
@@ -70,27 +69,24 @@ def export_checkpoint(
     opt: torch.optim.Optimizer | None = None
     try:
         opt = optimizer(model)
-        sharded = isinstance(opt, _ShardedOptimizer) and not isinstance(opt, ReplicatedAdamS)
-        local = isinstance(opt, (LocalAdamS, LocalOptimizer))
+        caps = capabilities(opt)
+        sharded = caps.layout is StateLayout.SHARDED
+        local = caps.replicas_drift
         step, old_ws, trees = read_newest(store, 0, 1, model_fingerprint(model, opt), shares=sharded or local)
-        if isinstance(opt, _ShardedOptimizer) and sharded:
-            restore_resharded(opt, step, gather_full_state(opt, sorted(trees.items()), old_ws))
+        if sharded:
+            own = cast(SnapshotOptimizer, opt)
+            restore_resharded(own, step, gather_full_state(own, sorted(trees.items()), old_ws))
         elif local:  # the replicas differ: their average, as at the end of a run
             total = [torch.zeros_like(p) for p in model.parameters()]
             for tree in trees.values():
-                if isinstance(opt, LocalAdamS):
-                    opt.restore_replica(tree["optim"])
-                else:
-                    load_plain(model, opt, tree["optim"])
+                load_replica(model, opt, tree["optim"])
                 for acc, p in zip(total, model.parameters(), strict=True):
                     acc.add_(p.detach())
             with torch.no_grad():
                 for acc, p in zip(total, model.parameters(), strict=True):
                     p.copy_(acc / len(trees))
-        elif isinstance(opt, ReplicatedAdamS):
-            opt.restore_replica(trees[0]["optim"])
         else:
-            load_plain(model, opt, trees[0]["optim"])
+            load_replica(model, opt, trees[0]["optim"])
         buffers = dict(model.named_buffers())
         with torch.no_grad():
             for name, value in trees[0]["buffers"].items():

@@ -57,6 +57,7 @@ from torch import Tensor
 from bindings import ReduceOp
 from optim.adams import debiased_adams_step_
 from optim.averaging import LOCAL_SCHEDULES, WIRE_DTYPES, Averaging, ReplicaAverager, auto_wire_bits
+from optim.capabilities import OptimizerCapabilities, StateLayout
 from optim.noise import NoiseScale, check_noise_state, effective_world_size, local_share
 from optim.replicated import ReplicatedAdamS
 from optim.window_order import WINDOW_ORDERS
@@ -178,6 +179,9 @@ class LocalAdamS(ReplicatedAdamS):
     Raises:
         ValueError: Bad arguments (before any communication, the same on every rank).
     """
+
+    capabilities = OptimizerCapabilities(layout=StateLayout.REPLICATED, replicas_drift=True, own_snapshots=True)
+    """Each rank holds its own replica between averagings, and snapshots it itself."""
 
     def __init__(
         self,

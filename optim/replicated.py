@@ -22,6 +22,7 @@ from torch import Tensor
 
 from bindings import ReduceOp
 from optim.averaging import check_density, check_steps
+from optim.capabilities import OptimizerCapabilities, StateLayout
 from optim.sharded import ShardedAdamS, take_written
 from sparsecomm.mask import k_for
 
@@ -41,6 +42,8 @@ class ReplicatedAdamS(ShardedAdamS):
     and the full first moment lives in ``_m``.
     """
 
+    capabilities = OptimizerCapabilities(layout=StateLayout.REPLICATED, replicas_drift=False, own_snapshots=True)
+    """Each rank holds a whole replica, the same on every rank, and snapshots it itself."""
     _state_names = ()
     _master_in_params = True  # the master shard is this rank's slice of its replica, not a copy
 

@@ -14,13 +14,13 @@ from typing import Any
 import torch
 
 import sparsecomm.distributed as dist
-from optim.sharded import _ShardedOptimizer
+from optim.capabilities import SnapshotOptimizer
 
 __all__ = ["gather_full_state", "restore_resharded"]
 
 
 def gather_full_state(
-    optimizer: _ShardedOptimizer, held: list[tuple[int, dict[str, Any]]], old_world: int
+    optimizer: SnapshotOptimizer, held: list[tuple[int, dict[str, Any]]], old_world: int
 ) -> dict[str, torch.Tensor]:
     """The whole flat optimizer state of one step, on every member. Collective.
 
@@ -50,7 +50,7 @@ def gather_full_state(
     return {name: flat[i, :numel] for i, name in enumerate(names)}
 
 
-def restore_resharded(optimizer: _ShardedOptimizer, step: int, full: dict[str, torch.Tensor]) -> None:
+def restore_resharded(optimizer: SnapshotOptimizer, step: int, full: dict[str, torch.Tensor]) -> None:
     """Load this rank's shard of ``full`` into a freshly built ``optimizer`` and its parameters. Collective.
 
     Masks in flight belonged to the old layout: SCAPE makes the masks of the

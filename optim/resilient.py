@@ -77,9 +77,8 @@ import torch
 
 from bindings.errors import PeerFailureError
 from optim import training_state as ts
+from optim.capabilities import capabilities
 from optim.checkpoint import CheckpointError
-from optim.local import LocalAdamS
-from optim.local_optimizer import LocalOptimizer
 from optim.resilient_config import BadStepsError, EventHook, ResilientConfig, Stateful
 from optim.resilient_recovery import RecoverableRun
 from optim.snapshot import UnrecoverableStateError
@@ -260,7 +259,7 @@ class ResilientTraining(RecoverableRun):
             self._stepped, self._loss, self._bad = True, None, rep.bad_ranks
             return None
         mean = rep.mean_loss if loss is not None else None
-        if not ts.synchronizes_itself(self._opt):
+        if not capabilities(self._opt).synchronizes:
             ts.average_gradients(self.model)
         self._snaps.settle()
         self._opt.step()
@@ -270,8 +269,8 @@ class ResilientTraining(RecoverableRun):
     def finish(self) -> None:
         """End the run. Collective: every member must call this once after the last step.
 
-        Waits for the last replication, averages the replicas of
-        :class:`LocalAdamS` and :class:`LocalOptimizer` (every member ends with one model), stops the
+        Waits for the last replication, averages the replicas of an optimizer whose replicas drift
+        (:class:`optim.LocalAdamS`, :class:`optim.LocalOptimizer`: every member ends with one model), stops the
         background work and closes the communicator. A spare that was never
         promoted only closes.
         """
@@ -280,7 +279,7 @@ class ResilientTraining(RecoverableRun):
         self._finished = True
         if self.is_member and self._opt is not None:
             self._snaps.drain()
-            if isinstance(self._opt, (LocalAdamS, LocalOptimizer)):
+            if capabilities(self._opt).replicas_drift:
                 self._opt.average_params()
             if self._store is not None:
                 self._store.drain()

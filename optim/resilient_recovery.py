@@ -24,12 +24,11 @@ import torch
 import sparsecomm.distributed as dist
 from bindings.errors import PeerFailureError
 from optim import training_state as ts
+from optim.capabilities import StateLayout, capabilities
 from optim.checkpoint import CheckpointError, CheckpointStore, model_fingerprint, read_newest
 from optim.recovery import SlotSnapshots
-from optim.replicated import ReplicatedAdamS
 from optim.reshard import gather_full_state, restore_resharded
 from optim.resilient_config import EventHook, ResilientConfig, Stateful
-from optim.sharded import _ShardedOptimizer
 from optim.snapshot import UnrecoverableStateError
 from optim.step_health import StragglerDetector
 from resilient_comm import FaultAwareCommunicator, Reconfiguration, StaleEpochError
@@ -144,7 +143,7 @@ class RecoverableRun:
         self._build()  # on every member (collective for the sharded optimizers): the fingerprint names it
         ws, rank = self.comm.world_size, self.comm.rank
         opt = self._opt
-        sharded = isinstance(opt, _ShardedOptimizer) and not isinstance(opt, ReplicatedAdamS)
+        sharded = capabilities(opt).layout is StateLayout.SHARDED
         newest, old_ws, trees = read_newest(store, rank, ws, self._fingerprint, shares=sharded)
         reshard = old_ws != ws
         own_old = rank % old_ws
@@ -203,11 +202,8 @@ class RecoverableRun:
         self._sched = self._sched_factory(self._opt) if self._sched_factory is not None else None
 
     def _restore_replica(self, tree: dict[str, Any]) -> None:
-        """Load a whole replica (LocalAdamS, TopKAdamS, a plain optimizer) into the optimizer just built."""
-        if isinstance(self._opt, ReplicatedAdamS):
-            self._opt.restore_replica(tree["optim"])
-        else:
-            ts.load_plain(self.model, self._opt, tree["optim"])
+        """Load a whole replica (a replicated or plain optimizer's) into the optimizer just built."""
+        ts.load_replica(self.model, self._opt, tree["optim"])
         self._load_common(tree)
 
     def _restore(self, tree: dict[str, Any] | None) -> None:
@@ -221,12 +217,7 @@ class RecoverableRun:
             self._build()
             return
         self._build()
-        opt = self._opt
-        if isinstance(opt, _ShardedOptimizer):
-            opt.restore_snapshot(tree["optim"])
-            opt.resync_params()
-        else:
-            ts.load_plain(self.model, self._opt, tree["optim"])
+        ts.load_snapshot(self.model, self._opt, tree["optim"])
         self._load_common(tree)
 
     # ------------------------------------------------------------------ recovery
@@ -289,7 +280,7 @@ class RecoverableRun:
         elif shrunk and restore_step > 0:
             self._build()  # every member, a promoted spare too: the kind of optimizer picks the way
             opt = self._opt
-            if not isinstance(opt, _ShardedOptimizer) or isinstance(opt, ReplicatedAdamS):
+            if capabilities(opt).layout is not StateLayout.SHARDED:
                 # every survivor holds a whole replica: it goes on from its own (the lost ones' drift is dropped)
                 own = self._snaps.own_tree(restore_step)
                 phases["transfer_s"] = time.time() - t0

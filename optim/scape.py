@@ -41,7 +41,7 @@ from torch import Tensor
 
 from optim.sharded import ShardedAdamS
 from sparsecomm.collectives import sparse_all_gather, sparse_reduce_scatter
-from sparsecomm.mask import ShardedMask
+from sparsecomm.mask import ShardedMask, k_for
 from sparsecomm.schedule import MaskSchedule
 
 __all__ = ["SCAPE", "UNSELECTED_POLICIES", "MASK_SCORES"]
@@ -299,6 +299,14 @@ class SCAPE(ShardedAdamS):
         if self.unselected != "decay_m" or self.density >= 1.0 or len(betas) != 1:
             return {}
         return {"shard/exp_avg": float(betas.pop())}
+
+    def snapshot_growth(self) -> int:
+        """Snapshots hold no masks during the dense warm-up, ``mask_delay`` masks of ``world_size x k``
+        int64 indices once sparse: room for them."""
+        if self.density >= 1.0:
+            return 0
+        b = self.bucket
+        return self.mask_delay * b.world_size * k_for(b.numel, b.world_size, self.density) * 8
 
     def _snapshot_extra(self) -> dict[str, Any]:
         # Masks of the next D steps were proposed before the last step: their

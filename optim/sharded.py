@@ -37,6 +37,7 @@ import sparsecomm.distributed as dist
 from bindings import ReduceOp
 from optim.adams import _validate_group, adams_step_
 from optim.buckets import FlatBucket, Segment
+from optim.capabilities import OptimizerCapabilities, StateLayout
 from optim.param_watch import ParamWatch
 
 __all__ = ["ShardedAdamS", "ShardedAdamW"]
@@ -62,6 +63,8 @@ class _ShardedOptimizer(Optimizer):
     step without a single gradient, raise before any communication.
     """
 
+    capabilities = OptimizerCapabilities(layout=StateLayout.SHARDED, replicas_drift=False, own_snapshots=True)
+    """Each rank holds its shard of the state and snapshots it itself (:mod:`optim.capabilities`)."""
     _state_names: tuple[str, ...] = ("exp_avg",)
     _master_in_params = False
     """Keep the master of fp32 parameters in the parameters themselves (this rank's slice of the flat
@@ -346,6 +349,10 @@ class _ShardedOptimizer(Optimizer):
     def checkpoint_first_moment(self) -> list[str]:
         """Paths in :meth:`snapshot_state` of the first moment, which a lossy checkpoint keeps in bfloat16."""
         return ["shard/exp_avg"] if "exp_avg" in self._shard else []
+
+    def snapshot_growth(self) -> int:
+        """Bytes a later :meth:`snapshot_state` may hold beyond the current one (its tensors keep their size)."""
+        return 0
 
     def snapshot_state(self) -> dict[str, Any]:
         """This rank's state after the last step, for an in-memory snapshot.

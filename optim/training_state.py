@@ -13,16 +13,14 @@ where, is :mod:`optim.resilient`'s business.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 import sparsecomm.distributed as dist
+from optim.capabilities import ReplicaSnapshotOptimizer, SnapshotOptimizer, StateLayout, capabilities
 from optim.resilient_config import Stateful
-from optim.scape import SCAPE
-from optim.sharded import _ShardedOptimizer
-from sparsecomm.mask import k_for
 
 __all__ = [
     "History",
@@ -32,6 +30,8 @@ __all__ = [
     "gradients_finite",
     "load_common",
     "load_plain",
+    "load_replica",
+    "load_snapshot",
     "snapshot_headroom",
     "snapshot_tree",
 ]
@@ -60,8 +60,8 @@ def snapshot_tree(
     history: History,
 ) -> dict[str, Any]:
     """The snapshot tree of ``step`` (live optimizer tensors: encode it before the next step)."""
-    if isinstance(opt, _ShardedOptimizer):
-        optim_state: Any = opt.snapshot_state()
+    if capabilities(opt).own_snapshots:
+        optim_state: Any = cast(SnapshotOptimizer, opt).snapshot_state()
     else:  # a plain optimizer: a replicated copy of its state and of the parameters
         params = {n: p.detach() for n, p in model.named_parameters()}
         optim_state = {"params": params, "state_dict": opt.state_dict()}
@@ -83,10 +83,11 @@ def snapshot_tree(
 def checkpoint_hints(opt: torch.optim.Optimizer) -> tuple[dict[str, float], list[str]]:
     """Paths in :func:`snapshot_tree` that a checkpoint treats apart: the tensors that decay by a factor
     in every step (a delta predicts them) and the first moment (a lossy checkpoint rounds it)."""
-    if not isinstance(opt, _ShardedOptimizer):
+    if not capabilities(opt).own_snapshots:
         return {}, []
-    decay = {f"optim/{k}": f for k, f in opt.checkpoint_decay().items()}
-    return decay, [f"optim/{k}" for k in opt.checkpoint_first_moment()]
+    own = cast(SnapshotOptimizer, opt)
+    decay = {f"optim/{k}": f for k, f in own.checkpoint_decay().items()}
+    return decay, [f"optim/{k}" for k in own.checkpoint_first_moment()]
 
 
 PLAIN_STATE_TENSORS = 3
@@ -100,20 +101,18 @@ def snapshot_headroom(opt: torch.optim.Optimizer, total_steps: int) -> int:
     room for :data:`PLAIN_STATE_TENSORS` tensors of the parameter's size is
     kept for every parameter without state yet.
 
-    Headers grow a little with the step number, the loss history by one pair per step; SCAPE's snapshots hold no
-    masks during its dense warm-up and ``mask_delay`` masks of
-    ``world_size x k`` int64 indices once it is sparse.
+    Headers grow a little with the step number, the loss history by one pair per step; an optimizer that
+    snapshots itself says what its snapshots may add
+    (:meth:`~optim.capabilities.SnapshotOptimizer.snapshot_growth`: SCAPE's masks once it is sparse).
     """
     # the loss history, (step, loss) float64 pairs, and the skipped steps, int64
     headroom = (64 << 10) + 24 * (total_steps + 1)
-    if not isinstance(opt, _ShardedOptimizer):  # a torch optimizer makes its state at its first step of a parameter
-        for group in opt.param_groups:
-            for p in group["params"]:
-                if not opt.state.get(p):
-                    headroom += PLAIN_STATE_TENSORS * p.numel() * p.element_size() + 1024
-    if isinstance(opt, SCAPE) and opt.density < 1.0:
-        b = opt.bucket
-        headroom += opt.mask_delay * b.world_size * k_for(b.numel, b.world_size, opt.density) * 8
+    if capabilities(opt).own_snapshots:
+        return headroom + cast(SnapshotOptimizer, opt).snapshot_growth()
+    for group in opt.param_groups:  # a torch optimizer makes its state at its first step of a parameter
+        for p in group["params"]:
+            if not opt.state.get(p):
+                headroom += PLAIN_STATE_TENSORS * p.numel() * p.element_size() + 1024
     return headroom
 
 
@@ -153,11 +152,33 @@ def load_plain(model: torch.nn.Module, opt: torch.optim.Optimizer, saved: dict[s
     opt.load_state_dict(saved["state_dict"])
 
 
-def synchronizes_itself(opt: torch.optim.Optimizer) -> bool:
-    """Whether ``opt`` exchanges what the ranks need itself (ours), or needs its gradients averaged first."""
-    from optim.local_optimizer import LocalOptimizer
+def load_snapshot(model: torch.nn.Module, opt: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+    """Load the optimizer part of a snapshot of this rank's slot, taken under the current layout. Collective.
 
-    return isinstance(opt, (_ShardedOptimizer, LocalOptimizer))
+    An optimizer that snapshots itself restores its state and rebuilds the
+    parameters from it; a plain one is loaded by :func:`load_plain`.
+    """
+    if capabilities(opt).own_snapshots:
+        own = cast(SnapshotOptimizer, opt)
+        own.restore_snapshot(saved)
+        own.resync_params()
+    else:
+        load_plain(model, opt, saved)
+
+
+def load_replica(model: torch.nn.Module, opt: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+    """Load the optimizer part of a snapshot taken under any world size into a replicated or plain ``opt``. Local.
+
+    Raises:
+        ValueError: ``opt`` shards its state (its shards are cut again instead: :mod:`optim.reshard`).
+    """
+    caps = capabilities(opt)
+    if caps.layout is StateLayout.SHARDED:
+        raise ValueError(f"load_replica: {type(opt).__name__} shards its state; re-shard it (optim.reshard)")
+    if caps.own_snapshots:
+        cast(ReplicaSnapshotOptimizer, opt).restore_replica(saved)
+    else:
+        load_plain(model, opt, saved)
 
 
 def gradients_finite(model: torch.nn.Module) -> bool:

@@ -26,7 +26,8 @@ from torch.optim import Optimizer
 import sparsecomm.distributed as dist
 from bindings import ReduceOp
 from optim.buckets import FlatBucket
-from optim.sharded import _ShardedOptimizer, agree
+from optim.capabilities import OptimizerCapabilities, StateLayout, capabilities
+from optim.sharded import agree
 
 __all__ = ["WrappingOptimizer", "average_grads", "check_inner"]
 
@@ -45,7 +46,7 @@ def check_inner(optimizer: object, model: object) -> None:
     """
     if not isinstance(optimizer, Optimizer):
         raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if isinstance(optimizer, (_ShardedOptimizer, WrappingOptimizer)):
+    if capabilities(optimizer).synchronizes:
         raise TypeError(
             f"optimizer: {type(optimizer).__name__} synchronizes the ranks itself; wrap a plain torch.optim "
             "optimizer (e.g. torch.optim.AdamW) that steps this rank's replica alone"
@@ -140,6 +141,9 @@ class WrappingOptimizer(Optimizer):
             are not the model's trainable ones or not fp32, or settings or models
             that differ between ranks (the same on every rank).
     """
+
+    capabilities = OptimizerCapabilities(layout=StateLayout.REPLICATED, replicas_drift=True, own_snapshots=False)
+    """Each rank holds its own replica between averagings; snapshots are the ``state_dict()`` and the parameters."""
 
     def __init__(self, optimizer: Optimizer, model: torch.nn.Module, *, max_grad_norm: float, group: Any) -> None:
         self._comm = dist.get_communicator(group)

@@ -55,8 +55,6 @@ import torch
 import sparsecomm.distributed as dist
 from bindings.spawn import run_local
 from bindings.stats import op_delta
-from optim.local_optimizer import LocalOptimizer
-from optim.scape import SCAPE
 from optim.train_job.config import TrainConfig, build_optimizer
 from optim.train_job.data import VOCAB_SIZE
 from optim.train_job.model import GPT, GPTConfig
@@ -188,13 +186,14 @@ def _state_bytes(opt: Any) -> dict[str, int]:
     The master shard counts only where it is memory of its own: a master kept in the parameters
     themselves (SCAPE, LocalAdamS with fp32 parameters) is the model's memory, not the optimizer's.
     """
-    if isinstance(opt, LocalOptimizer):  # the wrapped optimizer's own state, then what the averaging keeps
+    local_state = getattr(opt, "local_state", None)  # LocalOptimizer: what the averaging keeps
+    if local_state is not None:  # the wrapped optimizer's own state, then what the averaging keeps
         parts: dict[str, int] = {}
         for st in opt.state.values():
             for name, t in st.items():
                 if isinstance(t, torch.Tensor) and t.dim() > 0:
                     parts[name] = parts.get(name, 0) + t.numel() * t.element_size()
-        return {**parts, **{n: t.numel() * t.element_size() for n, t in opt.local_state.items()}}
+        return {**parts, **{n: t.numel() * t.element_size() for n, t in local_state.items()}}
     master = opt.master_shard
     in_params = any(master.untyped_storage().data_ptr() == p.untyped_storage().data_ptr() for p in opt.bucket.params)
     parts = {} if in_params else {"master": master.numel() * master.element_size()}
@@ -219,7 +218,7 @@ def _run_variant(
     stats = comm.stats
     with stats.scope("init"):
         opt = build_optimizer(config.train_config(optimizer, density, world_size, variant=variant), model)
-    scape = opt if isinstance(opt, SCAPE) else None
+    scape: Any = opt if hasattr(opt, "last_mask") else None  # SCAPE: the mask of every step
     in_flight = getattr(opt, "wait_in_flight", None)  # LocalAdamS with overlap: bytes of a step move after it
     is_scape = scape is not None
     step_s: list[float] = []

@@ -30,7 +30,7 @@ from typing import Any
 from torch.nn.parallel import DistributedDataParallel
 from transformers import Trainer, TrainerCallback
 
-from optim.sharded import ShardedAdamS
+from optim.capabilities import capabilities
 from sparsecomm.hooks import SparseHookState, let_optimizer_sync, sparse_allreduce_hook
 
 __all__ = ["DDPCommCallback", "syncs_gradients_itself"]
@@ -39,9 +39,9 @@ logger = logging.getLogger(__name__)
 
 
 def syncs_gradients_itself(optimizer: Any) -> bool:
-    """Whether ``optimizer`` (or the optimizer an Accelerate wrapper holds) averages the gradients itself."""
+    """Whether ``optimizer`` (or the optimizer an Accelerate wrapper holds) synchronizes the ranks itself."""
     inner = getattr(optimizer, "optimizer", optimizer)
-    return isinstance(inner, ShardedAdamS)
+    return capabilities(inner).synchronizes
 
 
 class DDPCommCallback(TrainerCallback):  # type: ignore[misc]

@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -50,11 +50,7 @@ import sparsecomm.distributed as dist
 from bindings.launch import detect_launch
 from bindings.spawn import run_local
 from bindings.stats import op_delta
-from optim.local import LocalAdamS
-from optim.local_optimizer import LocalOptimizer
-from optim.outer import OuterLoop
-from optim.scape import SCAPE
-from optim.topk import TopKAdamS
+from optim.capabilities import AveragingOptimizer, capabilities
 from optim.train_job.config import DDP_HOOKS, TORCH_ADAMW, TrainConfig, build_optimizer, lr_at
 from optim.train_job.ddp import close_hook, count_torch_collectives, register_hook
 from optim.train_job.tasks import Task, make_task
@@ -94,13 +90,14 @@ def _evaluate(
 ) -> float:
     """Return the rank-averaged loss on this rank's fixed validation batches.
 
-    Collective. Under :class:`LocalAdamS` the average of the replicas is
-    evaluated (:meth:`LocalAdamS.averaged`, counted under ``average``).
+    Collective. Under an optimizer whose replicas drift (:class:`optim.LocalAdamS`,
+    :class:`optim.LocalOptimizer`, the outer loops) the average of the replicas is
+    evaluated (``optimizer.averaged()``, counted under ``average``).
     """
     total = 0.0
     averaged: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
-    if isinstance(optimizer, (LocalAdamS, LocalOptimizer, OuterLoop)):
-        averaged = optimizer.averaged()
+    if capabilities(optimizer).replicas_drift:
+        averaged = cast(AveragingOptimizer, optimizer).averaged()
     with averaged, torch.no_grad():
         model.eval()
         for i in range(config.eval_batches):
@@ -243,10 +240,9 @@ def train_worker(config: TrainConfig, rank: int, world_size: int, on_step: OnSte
                 "bytes_received": sum(d["bytes_received"] for d in ops.values()),
                 "bytes_sent_by_op": {op: d["bytes_sent"] for op, d in ops.items()},
             }
-            if isinstance(optimizer, SCAPE):
-                record["sparse"] = optimizer.last_mask is not None
-            elif isinstance(optimizer, (LocalAdamS, LocalOptimizer, TopKAdamS, OuterLoop)):
-                record["sparse"] = step > optimizer.warmup_steps
+            sparse = _sparse_step(optimizer, step)
+            if sparse is not None:
+                record["sparse"] = sparse
             elif hook is not None:
                 record["sparse"] = step > start_iter
             records.append(record)
@@ -256,11 +252,12 @@ def train_worker(config: TrainConfig, rank: int, world_size: int, on_step: OnSte
                 event["val_loss"] = evals[-1]["val_loss"]
             if on_step is not None:
                 on_step(event)
-        if isinstance(optimizer, (LocalAdamS, LocalOptimizer, OuterLoop)):
-            optimizer.average_params()  # every rank ends with the same model
+        if capabilities(optimizer).replicas_drift:
+            cast(AveragingOptimizer, optimizer).average_params()  # every rank ends with the same model
     finally:
-        if isinstance(optimizer, (SCAPE, LocalAdamS, LocalOptimizer)):
-            optimizer.close()  # finish the mask gathers or the averaging in flight before the group goes
+        close = getattr(optimizer, "close", None)
+        if close is not None:
+            close()  # finish the mask gathers or the averaging in flight before the group goes
         close_hook(hook_state)
     train_time = time.perf_counter() - t_train
     if sharded:
@@ -281,6 +278,15 @@ def train_worker(config: TrainConfig, rank: int, world_size: int, on_step: OnSte
         "comm_stats": stats.as_dict(),
         "train_time_s": train_time,
     }
+
+
+def _sparse_step(optimizer: torch.optim.Optimizer, step: int) -> bool | None:
+    """Whether ``step`` of ``optimizer`` was sparse: SCAPE's mask of the step, or past the dense warm-up
+    of an optimizer that has one; ``None`` for one that is always dense."""
+    if hasattr(optimizer, "last_mask"):
+        return optimizer.last_mask is not None
+    warmup = getattr(optimizer, "warmup_steps", None)
+    return None if warmup is None else step > warmup
 
 
 def _allreduce_step(
