@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import threading
@@ -184,12 +185,28 @@ class _TorchWork:
         return bool(self._work.is_completed())
 
 
+_KEEP_ALIVE: collections.deque[tuple[Any, tuple[Any, ...]]] = collections.deque(maxlen=8)
+"""The last works and the tensors they were given, held from Python until later calls push them out.
+
+A gloo work's worker thread drops its reference to the work just after
+running it. Were that the last one, freeing a tensor whose Python object
+only the work kept alive takes the GIL on that thread; a process group being
+destroyed at the same moment (its destructor holds the GIL while it joins
+that thread, e.g. DDP's reducer freed at exit) then deadlocks. Holding the
+last few works and their tensors here makes the Python side's reference the
+last one, dropped with the GIL held.
+"""
+
+
 def _call(op_name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> RawWork:
     try:
         work = fn(*args, **kwargs)
     except Exception as exc:  # noqa: BLE001
         raise translate_torch_error(op_name, exc) from exc
-    return _TorchWork(op_name, work) if work is not None else DoneWork()
+    if work is None:
+        return DoneWork()
+    _KEEP_ALIVE.append((work, args))
+    return _TorchWork(op_name, work)
 
 
 def standalone_process_group(
