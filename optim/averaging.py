@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from bindings import ReduceOp
+from bindings.validate import check_bool, check_choice, check_density, check_int
 from optim.code_averaging import CodeAverager, WindowSlots
 from optim.window_order import WINDOW_ORDERS, window_positions
 from sparsecomm.collectives import sparse_all_reduce
@@ -48,28 +49,12 @@ __all__ = [
     "Tracked",
     "Values",
     "auto_wire_bits",
-    "check_density",
-    "check_steps",
 ]
 
 
 # ---------------------------------------------------------------------- settings
 LOCAL_SCHEDULES = ("staggered", "periodic")
 WIRE_DTYPES = (torch.float32, torch.bfloat16)
-
-
-def check_density(density: object) -> float:
-    if isinstance(density, bool) or not isinstance(density, (int, float)):
-        raise ValueError(f"Invalid density: {density!r} (must be a float in (0, 1])")
-    if not 0.0 < float(density) <= 1.0:
-        raise ValueError(f"Invalid density: {density!r} (must be in (0, 1])")
-    return float(density)
-
-
-def check_steps(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"Invalid {name}: {value!r} (must be an int >= 0)")
-    return value
 
 
 def auto_wire_bits(density: float, buffers: int = 1) -> int:
@@ -144,18 +129,13 @@ class Averaging:
         Raises:
             ValueError: A bad or contradictory setting.
         """
-        if schedule not in LOCAL_SCHEDULES:
-            raise ValueError(f"Invalid schedule: {schedule!r} (must be one of {LOCAL_SCHEDULES})")
-        if window_order not in WINDOW_ORDERS:
-            raise ValueError(f"Invalid window_order: {window_order!r} (must be one of {WINDOW_ORDERS})")
-        if wire_dtype not in WIRE_DTYPES:
-            raise ValueError(f"Invalid wire_dtype: {wire_dtype!r} (must be one of {WIRE_DTYPES})")
-        if average_moment not in ("auto", True, False):
-            raise ValueError(f"Invalid average_moment: {average_moment!r} (must be 'auto', True or False)")
-        if not isinstance(overlap, bool):
-            raise ValueError(f"Invalid overlap: {overlap!r} (must be True or False)")
+        check_choice("schedule", schedule, LOCAL_SCHEDULES)
+        check_choice("window_order", window_order, WINDOW_ORDERS)
+        check_choice("wire_dtype", wire_dtype, WIRE_DTYPES)
+        check_choice("average_moment", average_moment, ("auto", True, False))
+        overlapped = check_bool("overlap", overlap)
         d = check_density(density)
-        warmup = check_steps("warmup_steps", warmup_steps)
+        warmup = check_int("warmup_steps", warmup_steps, low=0)
         scale = float(torch.finfo(torch.float32).bits // torch.finfo(wire_dtype).bits)
         auto_bits = wire_bits == "auto"
         if auto_bits:
@@ -174,7 +154,7 @@ class Averaging:
         buffers = 2 if average_moment else 1
         if average_moment and auto_bits:
             wire_bits = auto_wire_bits(d, buffers)
-        if overlap and wire_bits is None:
+        if overlapped and wire_bits is None:
             raise ValueError("overlap runs the averaging of the changes in codes beside the next step: set wire_bits")
         if wire_bits is not None:
             scale = torch.finfo(torch.float32).bits / (buffers * Quantizer(bits=wire_bits).bits_per_value())
@@ -188,7 +168,7 @@ class Averaging:
             wire_bits=wire_bits,
             window_order=window_order,
             average_moment=bool(average_moment),
-            overlap=overlap,
+            overlap=overlapped,
             wire_density=min(1.0, d * scale),
             narrow=narrow,
         )

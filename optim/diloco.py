@@ -19,7 +19,6 @@ and the averaged pseudo-gradient (three fp32 copies of the model).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -27,8 +26,9 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from bindings import ReduceOp
-from optim.averaging import WIRE_DTYPES, check_density
-from optim.outer import OuterLoop, check_rate
+from bindings.validate import check_bool, check_choice, check_density, check_float
+from optim.averaging import WIRE_DTYPES
+from optim.outer import OuterLoop
 
 __all__ = ["DiLoCo", "diloco_period"]
 
@@ -40,8 +40,7 @@ def diloco_period(density: float, wire_dtype: torch.dtype = torch.float32) -> in
     ``dense * (wire bytes / 4) / H`` per step, so ``H = round(wire bytes / (4 * density))``, at least 1.
     """
     d = check_density(density)
-    if wire_dtype not in WIRE_DTYPES:
-        raise ValueError(f"Invalid wire_dtype: {wire_dtype!r} (must be one of {WIRE_DTYPES})")
+    check_choice("wire_dtype", wire_dtype, WIRE_DTYPES)
     size = torch.empty((), dtype=wire_dtype).element_size()
     return max(1, round(size / (4.0 * d)))
 
@@ -91,13 +90,10 @@ class DiLoCo(OuterLoop):
 
     def _check_outer(self) -> None:
         outer_lr, momentum, nesterov, wire_dtype = self._given
-        self.outer_lr = check_rate("outer_lr", outer_lr, low=0.0, high=math.inf, low_open=True, high_open=True)
-        self.outer_momentum = check_rate("outer_momentum", momentum, low=0.0, high=1.0, high_open=True)
-        if not isinstance(nesterov, bool):
-            raise ValueError(f"Invalid nesterov: {nesterov!r} (must be True or False)")
-        self.nesterov = nesterov
-        if wire_dtype not in WIRE_DTYPES:
-            raise ValueError(f"Invalid wire_dtype: {wire_dtype!r} (must be one of {WIRE_DTYPES})")
+        self.outer_lr = check_float("outer_lr", outer_lr, low=0.0, low_open=True)
+        self.outer_momentum = check_float("outer_momentum", momentum, low=0.0, high=1.0, high_open=True)
+        self.nesterov = check_bool("nesterov", nesterov)
+        check_choice("wire_dtype", wire_dtype, WIRE_DTYPES)
         self.wire_dtype = wire_dtype
 
     def _make_outer_buffers(self) -> None:

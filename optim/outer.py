@@ -20,7 +20,6 @@ become views of one flat fp32 buffer.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -29,32 +28,12 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from bindings import ReduceOp
-from optim.averaging import check_steps
+from bindings.validate import check_int
 from optim.wrapping import WrappingOptimizer
 
-__all__ = ["OuterLoop", "check_period", "check_rate"]
+__all__ = ["OuterLoop"]
 
 logger = logging.getLogger(__name__)
-
-
-def check_period(value: object) -> int:
-    """``value`` if it is an int >= 1 (steps between two outer steps), else ``ValueError``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"Invalid period: {value!r} (must be an int >= 1)")
-    return value
-
-
-def check_rate(
-    name: str, value: object, *, low: float, high: float, low_open: bool = False, high_open: bool = False
-) -> float:
-    """``value`` as a float if it is a finite number between ``low`` and ``high`` (each end excluded if ``*_open``)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"Invalid {name}: {value!r} (must be a finite number)")
-    v = float(value)
-    if v < low or v > high or (low_open and v == low) or (high_open and v == high):
-        where = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
-        raise ValueError(f"Invalid {name}: {value!r} (must be in {where})")
-    return v
 
 
 class OuterLoop(WrappingOptimizer):
@@ -100,8 +79,8 @@ class OuterLoop(WrappingOptimizer):
         super().__init__(optimizer, model, max_grad_norm=max_grad_norm, group=group)
 
     def _check_settings(self, optimizer: Optimizer) -> str:
-        self._period = check_period(self._period_given)
-        self._warmup = check_steps("warmup_steps", self._warmup_given)
+        self._period = check_int("period", self._period_given, low=1)
+        self._warmup = check_int("warmup_steps", self._warmup_given, low=0)
         self._check_outer()
         return f"{self._period}|{self._warmup}|{self._settings}"
 

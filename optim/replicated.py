@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from bindings import ReduceOp
-from optim.averaging import check_density, check_steps
+from bindings.validate import check_density, check_int
 from optim.capabilities import OptimizerCapabilities, StateLayout
 from optim.sharded import ShardedAdamS, take_written
 from sparsecomm.mask import k_for
@@ -64,7 +64,7 @@ class ReplicatedAdamS(ShardedAdamS):
         config: str,
     ) -> None:
         self.density = check_density(density)
-        self.warmup_steps = check_steps("warmup_steps", warmup_steps)
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, low=0)
         super().__init__(
             params,
             lr,

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from bindings.validate import check_bool, check_choice, check_density, check_float, check_int
 from optim.sharded import ShardedAdamS
 from sparsecomm.collectives import sparse_all_gather, sparse_reduce_scatter
 from sparsecomm.mask import ShardedMask, k_for
@@ -114,23 +115,15 @@ class SCAPE(ShardedAdamS):
         wd_min_ndim: int = 2,
         background_proposal: bool = True,
     ) -> None:
-        if isinstance(density, bool) or not isinstance(density, (int, float)):
-            raise ValueError(f"Invalid density: {density!r} (must be a float in (0, 1])")
-        if not 0.0 < float(density) <= 1.0:
-            raise ValueError(f"Invalid density: {density!r} (must be in (0, 1])")
+        check_density(density)
         for name, v in (("mask_delay", mask_delay), ("warmup_steps", warmup_steps), ("refresh_every", refresh_every)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"Invalid {name}: {v!r} (must be an int >= 0)")
-        if unselected not in UNSELECTED_POLICIES:
-            raise ValueError(f"Invalid unselected: {unselected!r} (must be one of {UNSELECTED_POLICIES})")
-        if score not in MASK_SCORES:
-            raise ValueError(f"Invalid score: {score!r} (must be one of {MASK_SCORES})")
+            check_int(name, v, low=0)
+        check_choice("unselected", unselected, UNSELECTED_POLICIES)
+        check_choice("score", score, MASK_SCORES)
         if score == "abs_m_residual" and not error_feedback:
             raise ValueError("score='abs_m_residual' needs error_feedback=True")
-        if isinstance(explore, bool) or not isinstance(explore, (int, float)) or not 0.0 <= explore < 1.0:
-            raise ValueError(f"Invalid explore: {explore!r} (must be a float in [0, 1))")
-        if not isinstance(background_proposal, bool):
-            raise TypeError(f"background_proposal: expected a bool, got {type(background_proposal).__name__}")
+        check_float("explore", explore, low=0.0, high=1.0, high_open=True)
+        check_bool("background_proposal", background_proposal)
         self.density = float(density)
         self.mask_delay = mask_delay
         self.warmup_steps = warmup_steps

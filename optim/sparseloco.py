@@ -45,8 +45,8 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from optim.averaging import check_density
-from optim.outer import OuterLoop, check_period, check_rate
+from bindings.validate import check_choice, check_density, check_float, check_int
+from optim.outer import OuterLoop
 from sparsecomm.quantized import QUANT_BITS, Quantizer
 
 __all__ = ["SparseLoCo", "SparseLoCoPlan", "fixed_plan", "pack_indices", "sparseloco_plan", "unpack_indices"]
@@ -102,12 +102,6 @@ class SparseLoCoPlan:
         return (world_size - 1) * self.payload_bytes / self.period
 
 
-def _check_bits(bits: object) -> int:
-    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in QUANT_BITS:
-        raise ValueError(f"Invalid bits: {bits!r} (must be one of {QUANT_BITS})")
-    return bits
-
-
 def fixed_plan(numel: int, *, period: int, fraction: float, chunk: int = 4096, bits: int = 2) -> SparseLoCoPlan:
     """The plan of ``period`` and ``k = round(fraction * c)`` (at least 1) for a model of ``numel`` parameters.
 
@@ -116,15 +110,19 @@ def fixed_plan(numel: int, *, period: int, fraction: float, chunk: int = 4096, b
     Raises:
         ValueError: A bad argument.
     """
-    frac = check_rate("fraction", fraction, low=0.0, high=1.0, low_open=True)
-    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 1:
-        raise ValueError(f"Invalid numel: {numel!r} (must be an int >= 1)")
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or not 2 <= chunk <= 1 << 24:
-        raise ValueError(f"Invalid chunk: {chunk!r} (must be an int in [2, 2**24])")
+    frac = check_float("fraction", fraction, low=0.0, high=1.0, low_open=True)
+    numel = check_int("numel", numel, low=1)
+    chunk = check_int("chunk", chunk, low=2, high=1 << 24)
     m = -(-numel // chunk)
     c = -(-numel // m)
     k = min(c, max(1, round(frac * c)))
-    return SparseLoCoPlan(period=check_period(period), k=k, chunks=m, chunk=c, bits=_check_bits(bits))
+    return SparseLoCoPlan(
+        period=check_int("period", period, low=1),
+        k=k,
+        chunks=m,
+        chunk=c,
+        bits=check_choice("bits", check_int("bits", bits), QUANT_BITS),
+    )
 
 
 def sparseloco_plan(
@@ -146,8 +144,7 @@ def sparseloco_plan(
         ValueError: A bad argument.
     """
     d = check_density(density)
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"Invalid world_size: {world_size!r} (must be an int >= 1)")
+    check_int("world_size", world_size, low=1)
     first = fixed_plan(numel, period=1, fraction=fraction, chunk=chunk, bits=bits)  # k0
     budget = 8.0 * d * numel / world_size  # payload bytes per local step at equal bytes
     period = max(1, round(first.payload_bytes / budget))
@@ -241,8 +238,8 @@ class SparseLoCo(OuterLoop):
 
     def _check_outer(self) -> None:
         period, fraction, density, chunk, bits, outer_lr, decay = self._given
-        self.outer_lr = check_rate("outer_lr", outer_lr, low=0.0, high=math.inf, low_open=True, high_open=True)
-        self.decay = check_rate("decay", decay, low=0.0, high=1.0, high_open=True)
+        self.outer_lr = check_float("outer_lr", outer_lr, low=0.0, low_open=True)
+        self.decay = check_float("decay", decay, low=0.0, high=1.0, high_open=True)
         b = self._bucket
         if density is not None:
             if period is not None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -25,6 +24,7 @@ from torch.optim import Optimizer
 
 import sparsecomm.distributed as dist
 from bindings import ReduceOp
+from bindings.validate import check_float
 from optim.buckets import FlatBucket
 from optim.capabilities import OptimizerCapabilities, StateLayout, capabilities
 from optim.sharded import agree
@@ -70,13 +70,6 @@ def check_inner(optimizer: object, model: object) -> None:
             f"model: {len(missing)} trainable parameters are not the optimizer's (first: {missing[0]}); "
             "their replicas would drift apart unaveraged: give them to the optimizer or freeze them"
         )
-
-
-def check_grad_norm(value: object) -> float:
-    """``value`` as a float if it is a finite number >= 0 (a clipping norm; 0: no clipping), else ``ValueError``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"Invalid max_grad_norm: {value!r} (must be a finite number >= 0)")
-    return float(value)
 
 
 def average_grads(comm: Any, bucket: FlatBucket, buf: Tensor) -> None:
@@ -152,7 +145,7 @@ class WrappingOptimizer(Optimizer):
         fp = 0
         try:
             check_inner(optimizer, model)
-            self.max_grad_norm = check_grad_norm(max_grad_norm)
+            self.max_grad_norm = check_float("max_grad_norm", max_grad_norm, low=0.0)
             groups = [{"params": g["params"], "wd_min_ndim": 0} for g in optimizer.param_groups]
             self._bucket = FlatBucket(groups, self._comm.rank, self._comm.world_size)
             if self._bucket.dtype != torch.float32:

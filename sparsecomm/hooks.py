@@ -51,6 +51,7 @@ import torch
 from bindings import Communicator, ReduceOp
 from bindings.stats import CommStats, ring_bytes
 from bindings.torch_backend import GradBucket
+from bindings.validate import check_bool, check_density, check_int
 from sparsecomm.collectives import sparse_all_reduce
 from sparsecomm.groups import Group, get_communicator, is_initialized, new_group
 from sparsecomm.mask import ShardedMask, k_for
@@ -147,17 +148,10 @@ class SparseHookState:
         mask_delay: int = 1,
         error_feedback: bool = True,
     ) -> None:
-        if isinstance(density, bool) or not isinstance(density, (int, float)):
-            raise TypeError(f"density: expected a float in (0, 1], got {type(density).__name__}")
-        if not 0.0 < float(density) <= 1.0:
-            raise ValueError(f"density: must be in (0, 1], got {density!r}")
-        for name, v in (("start_iter", start_iter), ("mask_delay", mask_delay)):
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise TypeError(f"{name}: expected an int, got {type(v).__name__}")
-            if v < 0:
-                raise ValueError(f"{name}: must be >= 0, got {v}")
-        if not isinstance(error_feedback, bool):
-            raise TypeError(f"error_feedback: expected a bool, got {type(error_feedback).__name__}")
+        density = check_density(density)
+        start_iter = check_int("start_iter", start_iter, low=0)
+        mask_delay = check_int("mask_delay", mask_delay, low=0)
+        error_feedback = check_bool("error_feedback", error_feedback)
         if group is not None and not isinstance(group, Group):
             raise TypeError(f"group: expected a sparsecomm group, got {type(group).__name__}")
         self.density = float(density)
@@ -258,10 +252,7 @@ class SparseHookState:
             mask_delay=st["mask_delay"],
             error_feedback=st["error_feedback"],
         )
-        it = st["iter"]
-        if isinstance(it, bool) or not isinstance(it, int) or it < 0:
-            raise ValueError(f"state: iter must be an int >= 0, got {it!r}")
-        self.iter = it
+        self.iter = check_int("state iter", st["iter"], low=0)
         self._saved = {
             int(i): _Saved(layout=tuple((int(a), int(n)) for a, n in b["layout"]), masks=dict(b["masks"]))
             for i, b in st["buckets"].items()

@@ -27,7 +27,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import numbers
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -35,6 +34,8 @@ from fractions import Fraction
 
 import numpy as np
 import torch
+
+from bindings.validate import check_choice, check_density, check_int
 
 __all__ = [
     "ENCODINGS",
@@ -58,33 +59,10 @@ _INT32_LIMIT = 2**31  # int32 can hold local indices of shards up to this size
 _DIGEST_PERSON = b"sparsecomm.mask1"
 
 
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if int(value) < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
-
-
-def _check_density(density: object) -> float:
-    if isinstance(density, bool) or not isinstance(density, numbers.Real):
-        raise TypeError(f"density must be a float, got {type(density).__name__}")
-    value = float(density)
-    if not 0.0 < value <= 1.0:  # also rejects NaN
-        raise ValueError(f"density must be in (0, 1], got {density!r}")
-    return value
-
-
-def _check_encoding(encoding: object) -> str:
-    if encoding not in ENCODINGS:
-        raise ValueError(f"encoding must be one of {ENCODINGS}, got {encoding!r}")
-    return str(encoding)
-
-
 def shard_size_for(numel: int, world_size: int) -> int:
     """Returns ``ceil(numel / world_size)``, the size of every (padded) shard."""
-    numel = _check_int("numel", numel, 1)
-    world_size = _check_int("world_size", world_size, 1)
+    numel = check_int("numel", numel, low=1)
+    world_size = check_int("world_size", world_size, low=1)
     return -(-numel // world_size)
 
 
@@ -95,7 +73,7 @@ def k_for(numel: int, world_size: int, density: float) -> int:
     ``k_for(1000, 4, 0.1) == 25`` and not 26 from binary rounding.
     """
     size = shard_size_for(numel, world_size)
-    exact = Fraction(repr(_check_density(density))) * numel / world_size
+    exact = Fraction(repr(check_density(density))) * numel / world_size
     return min(max(math.ceil(exact), 1), size)
 
 
@@ -136,10 +114,10 @@ class ShardedMask:
     _cache: dict[object, object] = field(default_factory=dict, init=False, compare=False)
 
     def __post_init__(self) -> None:
-        numel = _check_int("numel", self.numel, 1)
-        world_size = _check_int("world_size", self.world_size, 1)
+        numel = check_int("numel", self.numel, low=1)
+        world_size = check_int("world_size", self.world_size, low=1)
         size = shard_size_for(numel, world_size)
-        k = _check_int("k", self.k, 1)
+        k = check_int("k", self.k, low=1)
         if k > size:
             raise ValueError(f"k must be <= shard_size={size}, got {k}")
         idx = self.indices
@@ -164,7 +142,7 @@ class ShardedMask:
                 that is not sorted, unique and in range.
             TypeError: a piece that is not a 1-D integer tensor.
         """
-        world_size = _check_int("world_size", world_size, 1)
+        world_size = check_int("world_size", world_size, low=1)
         if len(pieces) != world_size:
             raise ValueError(f"pieces: expected {world_size} pieces, got {len(pieces)}")
         rows = []
@@ -238,7 +216,7 @@ class ShardedMask:
 
     def piece(self, rank: int) -> torch.Tensor:
         """Returns shard ``rank``'s sorted local indices (a read-only view)."""
-        rank = _check_int("rank", rank, 0)
+        rank = check_int("rank", rank, low=0)
         if rank >= self.world_size:
             raise ValueError(f"rank must be < world_size={self.world_size}, got {rank}")
         return self.indices[rank]
@@ -326,10 +304,10 @@ def topk_piece(scores: torch.Tensor, k: int, *, shard_size: int | None = None) -
     if scores.dim() != 1:
         raise ValueError(f"scores must be 1-D, got shape {tuple(scores.shape)}")
     n = scores.numel()
-    size = n if shard_size is None else _check_int("shard_size", shard_size, 1)
+    size = n if shard_size is None else check_int("shard_size", shard_size, low=1)
     if n > size:
         raise ValueError(f"scores has {n} elements, more than shard_size={size}")
-    k = _check_int("k", k, 1)
+    k = check_int("k", k, low=1)
     if k > size:
         raise ValueError(f"k must be <= {size}, got {k}")
     if k == size:
@@ -468,8 +446,8 @@ def _check_int32_fits(shard_size: int) -> None:
 
 def encode_piece(indices: torch.Tensor, shard_size: int, encoding: str) -> torch.Tensor:
     """Encodes one shard's sorted, unique local indices as a 1-D ``torch.uint8`` CPU tensor."""
-    shard_size = _check_int("shard_size", shard_size, 1)
-    encoding = _check_encoding(encoding)
+    shard_size = check_int("shard_size", shard_size, low=1)
+    encoding = check_choice("encoding", encoding, ENCODINGS)
     idx = _index_array(indices, shard_size)
     if encoding == "int32":
         _check_int32_fits(shard_size)
@@ -496,9 +474,9 @@ def decode_piece(payload: torch.Tensor, shard_size: int, k: int, encoding: str) 
             unsorted/duplicate/out-of-range indices, stray padding bits) or a decoded
             count different from ``k``.
     """
-    shard_size = _check_int("shard_size", shard_size, 1)
-    k = _check_int("k", k, 1)
-    encoding = _check_encoding(encoding)
+    shard_size = check_int("shard_size", shard_size, low=1)
+    k = check_int("k", k, low=1)
+    encoding = check_choice("encoding", encoding, ENCODINGS)
     if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8:
         raise TypeError("payload must be a torch.uint8 tensor")
     if payload.dim() != 1:
@@ -544,9 +522,9 @@ def analytic_size(k: int, shard_size: int, encoding: str) -> int:
         ValueError: for ``"delta-varint"``, whose size depends on the indices (use
             :func:`encoded_size`).
     """
-    k = _check_int("k", k, 1)
-    shard_size = _check_int("shard_size", shard_size, 1)
-    encoding = _check_encoding(encoding)
+    k = check_int("k", k, low=1)
+    shard_size = check_int("shard_size", shard_size, low=1)
+    encoding = check_choice("encoding", encoding, ENCODINGS)
     if encoding == "int32":
         _check_int32_fits(shard_size)
         return 4 * k
@@ -565,8 +543,8 @@ def _sizes(idx: np.ndarray, shard_size: int) -> dict[str, int]:
 
 def encoded_size(indices: torch.Tensor, shard_size: int, encoding: str) -> int:
     """Returns ``len(encode_piece(indices, shard_size, encoding))`` without encoding."""
-    shard_size = _check_int("shard_size", shard_size, 1)
-    encoding = _check_encoding(encoding)
+    shard_size = check_int("shard_size", shard_size, low=1)
+    encoding = check_choice("encoding", encoding, ENCODINGS)
     if encoding == "int32":
         _check_int32_fits(shard_size)
     return _sizes(_index_array(indices, shard_size), shard_size)[encoding]
@@ -574,6 +552,6 @@ def encoded_size(indices: torch.Tensor, shard_size: int, encoding: str) -> int:
 
 def choose_encoding(indices: torch.Tensor, shard_size: int) -> str:
     """Returns the encoding with the smallest payload; ties: bitmap, int32, delta-varint."""
-    shard_size = _check_int("shard_size", shard_size, 1)
+    shard_size = check_int("shard_size", shard_size, low=1)
     sizes = _sizes(_index_array(indices, shard_size), shard_size)
     return min(sizes, key=lambda name: (sizes[name], ENCODINGS.index(name)))
