@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from bindings.ops import SUPPORTED_DTYPES, ReduceOp
+from bindings.validate import check_bool, check_int
 
 __all__ = [
     "check_async",
@@ -60,22 +61,19 @@ def check_rank(name: str, value: Any, world_size: int, *, allow_none: bool = Fal
     """Raise unless ``value`` is an int rank in ``[0, world_size)`` (or ``None`` when allowed)."""
     if value is None and allow_none:
         return
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected an int rank, got {type(value).__name__}")
+    check_int(name, value)
     if not 0 <= value < world_size:
         raise ValueError(f"{name}: rank {value} is out of range for world_size {world_size}")
 
 
 def check_tag(tag: Any) -> None:
     """Raise ``ValueError`` unless ``tag`` is a non-negative int."""
-    if isinstance(tag, bool) or not isinstance(tag, int) or tag < 0:
-        raise ValueError(f"tag: expected a non-negative int, got {tag!r}")
+    check_int("tag", tag, low=0)
 
 
 def check_async(async_op: Any) -> None:
     """Raise ``TypeError`` unless ``async_op`` is a bool."""
-    if not isinstance(async_op, bool):
-        raise TypeError(f"async_op: expected a bool, got {type(async_op).__name__}")
+    check_bool("async_op", async_op)
 
 
 def check_ranks_list(ranks: Any, world_size: int) -> list[int]:

@@ -9,6 +9,7 @@ from typing import Any
 
 from bindings.communicator import BaseCommunicator
 from bindings.launch import detect_launch
+from bindings.validate import check_int
 
 __all__ = [
     "BACKENDS",
@@ -97,9 +98,8 @@ def create_communicator(
         raise TypeError(f"timeout: expected a datetime.timedelta, got {type(timeout).__name__}")
     if check_collectives is None:
         check_collectives = default_check_collectives()
-    for arg, value in (("rank", rank), ("world_size", world_size)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise TypeError(f"{arg}: expected an int, got {type(value).__name__}")
+    rank = None if rank is None else check_int("rank", rank)
+    world_size = None if world_size is None else check_int("world_size", world_size)
 
     if name == "mpi":
         from bindings.mpi_backend import MPICommunicator

@@ -17,6 +17,7 @@ import torch
 
 from bindings import CommStats, Communicator, create_communicator
 from bindings.torch_backend import as_torch_communicator
+from bindings.validate import check_int
 
 __all__ = [
     "Group",
@@ -192,9 +193,8 @@ def init_process_group(
             backend = "nccl" if is_cuda or isinstance(device_id, int) else "gloo"
         if not isinstance(backend, str):
             raise TypeError(f"backend: expected a str, got {type(backend).__name__}")
-        for arg, value in (("world_size", world_size), ("rank", rank)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{arg}: expected an int, got {type(value).__name__}")
+        world_size = check_int("world_size", world_size)
+        rank = check_int("rank", rank)
         if timeout is not None and not isinstance(timeout, timedelta):
             raise TypeError(f"timeout: expected a datetime.timedelta, got {type(timeout).__name__}")
         if init_method == "env://":
@@ -386,5 +386,4 @@ def new_group(
 
 
 def _int_rank(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected an int rank, got {type(value).__name__}")
+    check_int(name, value)

@@ -33,6 +33,7 @@ from collections.abc import Callable
 import torch
 
 from bindings import Communicator, Work
+from bindings.validate import check_choice, check_int
 
 __all__ = ["QUANT_BITS", "QUANTIZED_TAG", "Quantizer", "quantized_all_reduce"]
 
@@ -71,9 +72,8 @@ class Quantizer:
     block: int = 64
 
     def __post_init__(self) -> None:
-        if isinstance(self.bits, bool) or not isinstance(self.bits, int) or self.bits not in QUANT_BITS:
-            raise ValueError(f"Invalid bits: {self.bits!r} (must be one of {QUANT_BITS})")
-        if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 8 or self.block % 8:
+        check_choice("bits", check_int("bits", self.bits), QUANT_BITS)
+        if check_int("block", self.block, low=8) % 8:
             raise ValueError(f"Invalid block: {self.block!r} (must be a positive multiple of 8)")
 
     def bits_per_value(self) -> float:

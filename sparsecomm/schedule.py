@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from bindings import Communicator, Work
+from bindings.validate import check_int
 from sparsecomm.mask import (
     ShardedMask,
     decode_piece,
@@ -136,8 +137,7 @@ class MaskSchedule:
     """
 
     def __init__(self, comm: Communicator, *, numel: int, density: float, delay: int = 1) -> None:
-        if isinstance(delay, bool) or not isinstance(delay, int) or delay < 0:
-            raise ValueError(f"delay: expected an int >= 0, got {delay!r}")
+        delay = check_int("delay", delay, low=0)
         self._comm = comm
         self.numel = numel
         self.world_size = comm.world_size
