@@ -33,6 +33,7 @@ from typing import NoReturn
 
 from bindings.errors import CommError
 from bindings.torch_backend import TorchCommunicator, standalone_process_group
+from bindings.validate import check_int
 from resilient_comm.errors import MembershipError, StaleEpochError
 from resilient_comm.failfast import FailFastCommunicator, SideChannel
 from resilient_comm.guard import REAPER, call_unless_aborted, join_helpers
@@ -101,8 +102,7 @@ class FaultAwareCommunicator(FailFastCommunicator):
         for name, v in (("configure_timeout", configure_timeout), ("join_timeout", join_timeout)):
             if not isinstance(v, timedelta) or v.total_seconds() <= 0:
                 raise ValueError(f"{name}: must be a positive datetime.timedelta, got {v!r}")
-        if isinstance(max_rejoins, bool) or not isinstance(max_rejoins, int) or max_rejoins < 0:
-            raise ValueError(f"max_rejoins: must be an int >= 0, got {max_rejoins!r}")
+        check_int("max_rejoins", max_rejoins, low=0)
         super().__init__(membership, timeout=timeout, check_collectives=check_collectives)
         self._max_rejoins = max_rejoins
         self._backend_name = backend
@@ -376,8 +376,7 @@ class FaultAwareCommunicator(FailFastCommunicator):
         reconfigure and restore the last committed state, as
         :class:`optim.resilient.ResilientTraining` does.
         """
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step: must be an int >= 0, got {step!r}")
+        check_int("step", step, low=0)
         view = self._view
         if view is None:
             raise MembershipError("commit: this member is not in an epoch")

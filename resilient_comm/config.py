@@ -6,6 +6,7 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+from bindings.validate import check_choice, check_int
 from resilient_comm.auth import JobSecret, is_loopback
 from resilient_comm.view import MODES
 
@@ -88,20 +89,15 @@ class CoordinatorConfig:
             raise TypeError(f"secret: expected a JobSecret or None, got {type(self.secret).__name__}")
         if self.secret is None and not is_loopback(self.host):
             raise ValueError(f"host {self.host!r}: binding beyond loopback needs a job secret (secret=JobSecret...)")
-        if isinstance(self.spares, bool) or not isinstance(self.spares, int) or self.spares < 0:
-            raise ValueError(f"spares: must be an int >= 0, got {self.spares!r}")
+        check_int("spares", self.spares, low=0)
         for name in ("world_size", "min_world_size"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}: must be an int >= 1, got {v!r}")
+            check_int(name, getattr(self, name), low=1)
         if self.min_world_size > self.world_size:
             raise ValueError(f"min_world_size ({self.min_world_size}) is larger than world_size ({self.world_size})")
-        if self.mode not in MODES:
-            raise ValueError(f"mode: must be one of {MODES}, got {self.mode!r}")
+        check_choice("mode", self.mode, MODES)
         if not isinstance(self.job, str) or not self.job or "/" in self.job:
             raise ValueError(f"job: must be a non-empty string without '/', got {self.job!r}")
-        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port < 65536:
-            raise ValueError(f"port: must be in [0, 65536), got {self.port!r}")
+        check_int("port", self.port, low=0, high=65535)
         for name in (
             "heartbeat_timeout",
             "ack_timeout",

@@ -22,6 +22,7 @@ from types import FrameType
 from typing import Any
 
 from bindings.spawn import ForkedPython
+from bindings.validate import check_choice, check_int
 from resilient_comm.auth import ENV_SECRET_FILE, JobSecret
 from resilient_comm.communicator import ENV_ADDRESS, ENV_JOB, ENV_ROLE, ENV_SLOT
 from resilient_comm.coordinator import Coordinator, CoordinatorConfig
@@ -92,12 +93,9 @@ class LaunchConfig:
     log_dir: str | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.nproc, bool) or not isinstance(self.nproc, int) or self.nproc < 1:
-            raise ValueError(f"nproc: must be an int >= 1, got {self.nproc!r}")
-        if isinstance(self.spares, bool) or not isinstance(self.spares, int) or self.spares < 0:
-            raise ValueError(f"spares: must be an int >= 0, got {self.spares!r}")
-        if self.backend not in ("gloo", "nccl"):
-            raise ValueError(f"backend: must be 'gloo' or 'nccl', got {self.backend!r}")
+        check_int("nproc", self.nproc, low=1)
+        check_int("spares", self.spares, low=0)
+        check_choice("backend", self.backend, ("gloo", "nccl"))
         if self.job_timeout is not None and (
             not isinstance(self.job_timeout, timedelta) or self.job_timeout.total_seconds() <= 0
         ):
@@ -216,8 +214,7 @@ class Launcher:
         view = self.coordinator.view
         if view is None:
             raise RuntimeError("no epoch has formed yet")
-        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < view.world_size:
-            raise ValueError(f"slot: must be in [0, {view.world_size}), got {slot!r}")
+        check_int("slot", slot, low=0, high=view.world_size - 1)
         return self.coordinator.members()[view.members[slot]].pid
 
     def spare_pids(self) -> list[int]:

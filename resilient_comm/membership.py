@@ -23,6 +23,7 @@ from datetime import timedelta
 
 from bindings.errors import CommTimeoutError
 from bindings.store import BoundedStore, Store, check_address, connect_store, is_etcd, parse_address, prefix_store
+from bindings.validate import check_choice, check_int
 from resilient_comm import keys
 from resilient_comm.auth import ENV_SECRET, ENV_SECRET_FILE, ControlStore, JobSecret, RecordError
 from resilient_comm.beacon import BeaconSender
@@ -77,10 +78,8 @@ class StoreMembership:
         if secret is not None and not isinstance(secret, JobSecret):
             raise TypeError(f"secret: expected a JobSecret or None, got {type(secret).__name__}")
         secret = secret if secret is not None else JobSecret.from_env()
-        if role not in ROLES:
-            raise ValueError(f"role: must be one of {ROLES}, got {role!r}")
-        if isinstance(slot, bool) or not isinstance(slot, int) or slot < -1:
-            raise ValueError(f"slot: must be an int >= -1, got {slot!r}")
+        check_choice("role", role, ROLES)
+        check_int("slot", slot, low=-1)
         if role == "spare" and slot != -1:
             raise ValueError("slot: a spare cannot ask for a slot")
         if not isinstance(job, str) or not job:

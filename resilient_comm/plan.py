@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Protocol
 
+from bindings.validate import check_choice, check_int
 from resilient_comm.errors import MembershipError
 from resilient_comm.view import MODES
 
@@ -80,9 +81,7 @@ class EpochPlan:
 
 
 def _check_member(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name}: member indices must be ints >= 0, got {value!r}")
-    return value
+    return check_int(f"{name} member index", value, low=0)
 
 
 def plan_next_epoch(
@@ -116,12 +115,9 @@ def plan_next_epoch(
             slot, an unknown mode, ...).
         MembershipError: No quorum, or fewer than ``min_world_size`` members left.
     """
-    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-        raise ValueError(f"epoch: must be an int >= 0, got {epoch!r}")
-    if mode not in MODES:
-        raise ValueError(f"mode: must be one of {MODES}, got {mode!r}")
-    if isinstance(min_world_size, bool) or not isinstance(min_world_size, int) or min_world_size < 1:
-        raise ValueError(f"min_world_size: must be an int >= 1, got {min_world_size!r}")
+    check_int("epoch", epoch, low=0)
+    check_choice("mode", mode, MODES)
+    check_int("min_world_size", min_world_size, low=1)
     if isinstance(slots, (str, bytes)) or not isinstance(slots, Sequence) or not slots:
         raise ValueError(f"slots: must be a non-empty sequence, got {slots!r}")
     holders = [m for m in slots if m is not None]

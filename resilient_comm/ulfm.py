@@ -42,6 +42,7 @@ from bindings.errors import CommError, CommTimeoutError, PeerFailureError
 from bindings.mpi_backend import MPICommunicator
 from bindings.ops import ReduceOp
 from bindings.ulfm import FtComm, ulfm_support
+from bindings.validate import check_int
 from resilient_comm.errors import MembershipError
 from resilient_comm.plan import EpochPlan, plan_next_epoch
 from resilient_comm.protocol import Reconfiguration
@@ -399,8 +400,7 @@ class UlfmCommunicator(BaseCommunicator):
         Raises:
             PeerFailureError: A member failed (the epoch is revoked; call :meth:`reconfigure`).
         """
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step: must be an int >= 0, got {step!r}")
+        check_int("step", step, low=0)
         inner = self._inner
         if inner is None:
             raise MembershipError("commit: this process holds no slot")

@@ -10,6 +10,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from bindings.validate import check_int
+
 __all__ = ["View", "MemberInfo", "decode_json", "MODES", "ROLES"]
 
 #: Reconfiguration modes: ``hotswap`` fills a dead slot with a spare (falling
@@ -31,10 +33,7 @@ def decode_json(raw: bytes | str, what: str) -> dict[str, Any]:
 
 
 def _int(obj: dict[str, Any], key: str, what: str, lo: int = 0) -> int:
-    v = obj.get(key)
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise ValueError(f"{what}: field {key!r} must be an int >= {lo}, got {v!r}")
-    return v
+    return check_int(f"{what} field {key!r}", obj.get(key), low=lo)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,9 +73,7 @@ class MemberInfo:
         for key in ("member_id", "host", "job"):
             if not isinstance(obj.get(key), str):
                 raise ValueError(f"{what}: field {key!r} must be a string")
-        slot = obj.get("slot")
-        if isinstance(slot, bool) or not isinstance(slot, int) or slot < -1:
-            raise ValueError(f"{what}: field 'slot' must be an int >= -1, got {slot!r}")
+        slot = check_int(f"{what} field 'slot'", obj.get("slot"), low=-1)
         return cls(
             index=_int(obj, "index", what),
             member_id=obj["member_id"],
@@ -164,9 +161,7 @@ class View:
                 raise ValueError(f"{what}: {key!r} keys must be ints") from exc
             if not all(_is_nat(k) and _is_nat(v) for k, v in maps[key].items()):
                 raise ValueError(f"{what}: {key!r} must map ints >= 0 to ints >= 0")
-        committed = obj.get("committed_step", -1)
-        if isinstance(committed, bool) or not isinstance(committed, int) or committed < -1:
-            raise ValueError(f"{what}: 'committed_step' must be an int >= -1")
+        committed = check_int(f"{what} field 'committed_step'", obj.get("committed_step", -1), low=-1)
         job, mode = obj.get("job"), obj.get("mode", "start")
         if not isinstance(job, str) or not isinstance(mode, str):
             raise ValueError(f"{what}: 'job' and 'mode' must be strings")
