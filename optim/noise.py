@@ -34,14 +34,14 @@ import torch
 from torch import Tensor
 
 from bindings import ReduceOp
+from bindings.validate import check_int
 from optim.sharded import squared_norm
 
 __all__ = ["NoiseScale", "check_noise_state", "effective_world_size", "local_share", "sign_sketch"]
 
 
 def _check_columns(columns: object) -> None:
-    if isinstance(columns, bool) or not isinstance(columns, int) or columns < 1:
-        raise ValueError(f"Invalid columns: {columns!r} (must be an int >= 1)")
+    check_int("columns", columns, low=1)
 
 
 def check_noise_state(state: dict[str, Any]) -> Tensor:

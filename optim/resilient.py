@@ -76,6 +76,7 @@ from typing import Any
 import torch
 
 from bindings.errors import PeerFailureError
+from bindings.validate import check_int
 from optim import training_state as ts
 from optim.capabilities import capabilities
 from optim.checkpoint import CheckpointError
@@ -195,8 +196,7 @@ class ResilientTraining(RecoverableRun):
             ValueError: ``total`` is not an int >= 1.
             RuntimeError: A step was skipped (not run in ``with self.step(...)``).
         """
-        if isinstance(total, bool) or not isinstance(total, int) or total < 1:
-            raise ValueError(f"total: must be an int >= 1, got {total!r}")
+        check_int("total", total, low=1)
         if not self._started:
             self._started, self._total = True, total
             self._start()

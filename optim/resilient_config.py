@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol, runtime_checkable
 
+from bindings.validate import check_bool, check_float, check_int
+
 __all__ = ["BadStepsError", "EventHook", "ResilientConfig", "Stateful"]
 
 
@@ -93,35 +95,18 @@ class ResilientConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.timeout, timedelta) or self.timeout.total_seconds() <= 0:
             raise ValueError(f"timeout: must be a positive datetime.timedelta, got {self.timeout!r}")
-        if not isinstance(self.snapshots, bool):
-            raise TypeError(f"snapshots: must be a bool, got {self.snapshots!r}")
-        block = self.snapshot_block
-        if isinstance(block, bool) or not isinstance(block, int) or block < 0:
-            raise ValueError(f"snapshot_block: must be an int >= 0, got {block!r}")
-        bad = self.max_bad_steps
-        if isinstance(bad, bool) or not isinstance(bad, int) or bad < 0:
-            raise ValueError(f"max_bad_steps: must be an int >= 0, got {bad!r}")
-        every, keep = self.checkpoint_every, self.keep_checkpoints
-        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
-            raise ValueError(f"checkpoint_every: must be an int >= 0, got {every!r}")
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            raise ValueError(f"keep_checkpoints: must be an int >= 1, got {keep!r}")
-        full = self.full_checkpoint_every
-        if isinstance(full, bool) or not isinstance(full, int) or full < 1:
-            raise ValueError(f"full_checkpoint_every: must be an int >= 1, got {full!r}")
-        if not isinstance(self.lossy_checkpoints, bool):
-            raise TypeError(f"lossy_checkpoints: must be a bool, got {self.lossy_checkpoints!r}")
-        factor = self.straggler_factor
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (factor == 0 or factor > 1):
-            raise ValueError(f"straggler_factor: must be 0 (off) or > 1, got {factor!r}")
-        window = self.straggler_window
-        if isinstance(window, bool) or not isinstance(window, int) or window < 3:
-            raise ValueError(f"straggler_window: must be an int >= 3, got {window!r}")
-        rejoins = self.max_rejoins
-        if isinstance(rejoins, bool) or not isinstance(rejoins, int) or rejoins < 0:
-            raise ValueError(f"max_rejoins: must be an int >= 0, got {rejoins!r}")
-        if not isinstance(self.resume, bool):
-            raise TypeError(f"resume: must be a bool, got {self.resume!r}")
+        check_bool("snapshots", self.snapshots)
+        check_int("snapshot_block", self.snapshot_block, low=0)
+        check_int("max_bad_steps", self.max_bad_steps, low=0)
+        every = check_int("checkpoint_every", self.checkpoint_every, low=0)
+        check_int("keep_checkpoints", self.keep_checkpoints, low=1)
+        check_int("full_checkpoint_every", self.full_checkpoint_every, low=1)
+        check_bool("lossy_checkpoints", self.lossy_checkpoints)
+        if 0 < check_float("straggler_factor", self.straggler_factor, low=0.0, finite=False) <= 1:
+            raise ValueError(f"Invalid straggler_factor: {self.straggler_factor!r} (must be 0 (off) or > 1)")
+        check_int("straggler_window", self.straggler_window, low=3)
+        check_int("max_rejoins", self.max_rejoins, low=0)
+        check_bool("resume", self.resume)
         if self.checkpoint_dir is None:
             if every or self.resume:
                 raise ValueError("checkpoint_every and resume need a checkpoint_dir")

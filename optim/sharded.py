@@ -35,6 +35,7 @@ from torch.optim import Optimizer
 
 import sparsecomm.distributed as dist
 from bindings import ReduceOp
+from bindings.validate import check_float
 from optim.adams import _validate_group, adams_step_
 from optim.buckets import FlatBucket, Segment
 from optim.capabilities import OptimizerCapabilities, StateLayout
@@ -79,8 +80,7 @@ class _ShardedOptimizer(Optimizer):
         max_grad_norm: float = 0.0,
         config: str = "",
     ) -> None:
-        if not (isinstance(max_grad_norm, (int, float)) and max_grad_norm >= 0.0):
-            raise ValueError(f"Invalid max_grad_norm: {max_grad_norm!r} (must be >= 0)")
+        check_float("max_grad_norm", max_grad_norm, low=0.0, finite=False)
         self._building = True
         super().__init__(params, defaults)
         self._building = False

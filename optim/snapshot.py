@@ -31,6 +31,7 @@ import torch
 
 from bindings.base import Communicator
 from bindings.errors import CommError
+from bindings.validate import check_int
 
 __all__ = [
     "encode_tree",
@@ -187,10 +188,7 @@ def decode_tree(buf: torch.Tensor) -> Any:
     def build(node: Any) -> Any:
         if isinstance(node, dict):
             if set(node) == {"__tensor__"}:
-                i = node["__tensor__"]
-                if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(tensors):
-                    raise ValueError("snapshot: bad tensor reference")
-                return tensors[i]
+                return tensors[check_int("snapshot tensor reference", node["__tensor__"], low=0, high=len(tensors) - 1)]
             if set(node) == {"__dict__"} and isinstance(node["__dict__"], list):
                 out = {}
                 for item in node["__dict__"]:
@@ -224,9 +222,7 @@ def _tensor_from(meta: Any, raw: np.ndarray, base: int) -> torch.Tensor:
 
 
 def _nat(v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise ValueError("snapshot: bad tensor range")
-    return v
+    return check_int("snapshot tensor range", v, low=0)
 
 
 class SnapshotRing:

@@ -26,6 +26,7 @@ from datetime import timedelta
 import torch
 
 import sparsecomm.distributed as dist
+from bindings.validate import check_float, check_int
 
 __all__ = ["StepReports", "StragglerDetector", "exchange_step_reports"]
 
@@ -85,10 +86,9 @@ class StragglerDetector:
     """
 
     def __init__(self, *, factor: float, window: int, min_excess: timedelta = timedelta(milliseconds=20)) -> None:
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (factor == 0 or factor > 1):
-            raise ValueError(f"factor: must be 0 (off) or > 1, got {factor!r}")
-        if isinstance(window, bool) or not isinstance(window, int) or window < 3:
-            raise ValueError(f"window: must be an int >= 3, got {window!r}")
+        if 0 < check_float("factor", factor, low=0.0, finite=False) <= 1:
+            raise ValueError(f"Invalid factor: {factor!r} (must be 0 (off) or > 1)")
+        check_int("window", window, low=3)
         if not isinstance(min_excess, timedelta) or min_excess.total_seconds() < 0:
             raise ValueError(f"min_excess: must be a non-negative timedelta, got {min_excess!r}")
         self.factor, self.window, self.min_excess = float(factor), window, min_excess.total_seconds()

@@ -52,6 +52,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from bindings.validate import check_density, check_int
 from optim.paths import pythonpath_env
 from optim.train_job.resilient import ResilienceConfig, failure_timeline, run_resilient_training
 from optim.train_job.train import TrainConfig
@@ -131,8 +132,11 @@ class CheckpointBenchConfig:
     def __post_init__(self) -> None:
         if not self.optimizers or any(o not in _OPTIMIZERS for o in self.optimizers):
             raise ValueError(f"optimizers: choose from {_OPTIMIZERS}, got {self.optimizers!r}")
-        if not self.models or any(len(m) != 3 or any(_bad_int(v, 1) for v in m) for m in self.models):
+        if not self.models or any(len(m) != 3 for m in self.models):
             raise ValueError(f"models: expected (d_model, n_layers, steps) positive int triples, got {self.models!r}")
+        for m in self.models:
+            for v in m:
+                check_int("models entry", v, low=1)
         for name, low in (
             ("nproc", 3),
             ("spares", 1),
@@ -148,16 +152,14 @@ class CheckpointBenchConfig:
             ("loopback_iters", 1),
             ("seed", 0),
         ):
-            if _bad_int(getattr(self, name), low):
-                raise ValueError(f"{name}: must be an int >= {low}, got {getattr(self, name)!r}")
+            check_int(name, getattr(self, name), low=low)
         for d, _, steps in self.models:
             if steps < self.skip_steps + 2 * self.block + 1:
                 raise ValueError(
                     f"models: {steps} steps of d_model {d} leave no full on/off block pair after "
                     f"skip_steps={self.skip_steps} (need >= {self.skip_steps + 2 * self.block + 1})"
                 )
-        if not 0.0 < self.density <= 1.0:
-            raise ValueError(f"density: must be in (0, 1], got {self.density!r}")
+        check_density(self.density)
         if not self.heartbeat_timeout_s > 0 or not self.timeout_s > 0:
             raise ValueError("heartbeat_timeout_s and timeout_s must be > 0")
         for d, layers, _ in self.models:
@@ -182,10 +184,6 @@ class CheckpointBenchConfig:
             job_timeout_s=self.timeout_s,
             out=out or self.out,
         )
-
-
-def _bad_int(v: Any, low: int) -> bool:
-    return isinstance(v, bool) or not isinstance(v, int) or v < low
 
 
 # ---------------------------------------------------------------------------------------------- analysis

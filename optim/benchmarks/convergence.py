@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from bindings.validate import check_density
 from optim.benchmarks.output import git_commit
 from optim.train_job.config import SPARSE_OPTIMIZERS, TrainConfig
 from optim.train_job.train import launch_local, wire_bytes_summary
@@ -274,8 +275,7 @@ def convergence_variants(
         if m not in _METHOD_OVERRIDES:
             raise ValueError(f"method must be one of {METHODS}, got {m!r}")
     for d in densities:
-        if not 0.0 < d <= 1.0:
-            raise ValueError(f"density must be in (0, 1], got {d}")
+        check_density(d)
         for m in methods:
             out.append((f"{m}@{d:g}", {**_METHOD_OVERRIDES[m], "density": float(d)}))
     return out

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from bindings.spawn import ForkedPython
+from bindings.validate import check_int
 from optim.benchmarks.drill import command as drill_command
 from optim.paths import pythonpath_env
 from resilient_comm.events import read_event_dir, read_events
@@ -167,8 +168,7 @@ class Hosts:
     """
 
     def __init__(self, n: int, link_rate: str | None = None) -> None:
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 250:
-            raise ValueError(f"n: expected 1..250 hosts, got {n!r}")
+        check_int("n", n, low=1, high=250)
         self.link_rate = parse_rate(link_rate)
         """The rate set on every link in bit/s (``None``: unshaped)."""
         tag = os.getpid() % 100_000

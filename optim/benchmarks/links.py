@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bindings.validate import check_float, check_int
 from optim.benchmarks.hosts import HostProcess, Hosts, parse_rate, unavailable, wait_for
 from optim.paths import pythonpath_env
 
@@ -118,14 +119,10 @@ class LinkBenchConfig:
             raise ValueError(f"link_rates: expected a non-empty tuple, got {self.link_rates!r}")
         for rate in self.link_rates:
             parse_rate(rate)
-        if not isinstance(self.tcp_seconds, int | float) or not 0.1 <= self.tcp_seconds <= 60:
-            raise ValueError(f"tcp_seconds: expected 0.1..60, got {self.tcp_seconds!r}")
-        if isinstance(self.allreduce_bytes, bool) or not isinstance(self.allreduce_bytes, int):
-            raise TypeError(f"allreduce_bytes: expected an int, got {self.allreduce_bytes!r}")
-        if not 4 <= self.allreduce_bytes <= 1 << 30 or self.allreduce_bytes % 4:
-            raise ValueError(f"allreduce_bytes: expected a multiple of 4 in 4..1 GiB, got {self.allreduce_bytes}")
-        if isinstance(self.iters, bool) or not isinstance(self.iters, int) or not 1 <= self.iters <= 100:
-            raise ValueError(f"iters: expected an int in 1..100, got {self.iters!r}")
+        check_float("tcp_seconds", self.tcp_seconds, low=0.1, high=60.0)
+        if check_int("allreduce_bytes", self.allreduce_bytes, low=4, high=1 << 30) % 4:
+            raise ValueError(f"Invalid allreduce_bytes: {self.allreduce_bytes!r} (must be a multiple of 4)")
+        check_int("iters", self.iters, low=1, high=100)
 
 
 def _probe(hosts: Hosts, host: int, args: Sequence[str], out: Path, env: dict[str, str] | None = None) -> HostProcess:

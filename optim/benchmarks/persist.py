@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bindings.validate import check_int
 from optim.checkpoint import CheckpointStore
 from optim.snapshot import decode_tree
 from optim.train_job.config import TrainConfig
@@ -118,14 +119,8 @@ class PersistBenchConfig:
             ("resume_steps", 1),
             ("eval_batches", 1),
         ):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < low:
-                raise ValueError(f"{name}: must be an int >= {low}, got {v!r}")
-        if (
-            isinstance(self.steps, bool)
-            or not isinstance(self.steps, int)
-            or self.steps < self.skip_steps + 3 * self.every
-        ):
+            check_int(name, getattr(self, name), low=low)
+        if check_int("steps", self.steps) < self.skip_steps + 3 * self.every:
             raise ValueError(
                 f"steps: need >= skip_steps + 3 * every = {self.skip_steps + 3 * self.every}, got {self.steps!r}"
             )

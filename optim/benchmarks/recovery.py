@@ -47,6 +47,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from bindings.validate import check_int
 from optim.benchmarks.drill import command as drill_command
 from optim.benchmarks.etcd_cluster import EtcdCluster, etcd_unavailable
 from optim.benchmarks.hosts import DEFAULT_PORT, Hosts, HostsJob, Loopback, unavailable
@@ -95,14 +96,14 @@ class RecoveryBenchConfig:
     timeout_s: float = 180.0
 
     def __post_init__(self) -> None:
-        if not self.nprocs or any(isinstance(n, bool) or not isinstance(n, int) or n < 2 for n in self.nprocs):
-            raise ValueError(f"nprocs: every world size must be an int >= 2, got {self.nprocs!r}")
+        if not self.nprocs:
+            raise ValueError(f"nprocs: give at least one world size, got {self.nprocs!r}")
+        for n in self.nprocs:
+            check_int("nprocs entry", n, low=2)
         if not self.faults or any(f not in FAULTS for f in self.faults):
             raise ValueError(f"faults: choose from {list(FAULTS)}, got {self.faults!r}")
         for name in ("spares", "numel", "fault_step", "steps_after", "repeats"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name in ("spares", "fault_step") else 1):
-                raise ValueError(f"{name}: bad value {v!r}")
+            check_int(name, getattr(self, name), low=0 if name in ("spares", "fault_step") else 1)
         for name in ("sleep_s", "heartbeat_timeout_s", "timeout_s"):
             if getattr(self, name) < 0 or (name != "sleep_s" and getattr(self, name) == 0):
                 raise ValueError(f"{name}: bad value {getattr(self, name)!r}")

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bindings.validate import check_int
 from optim.benchmarks.hosts import Hosts, kill_all, parse_rate, unavailable
 from optim.benchmarks.links import measure_link, tcp_bytes_for
 from optim.paths import pythonpath_env
@@ -104,9 +105,7 @@ class WallclockConfig:
         for rate in self.link_rates:
             parse_rate(rate)
         for name in ("hosts", "steps", "target_step", "eval_interval", "d_model", "n_layers", "n_heads", "batch"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+            check_int(name, getattr(self, name), low=1)
         if not 2 <= self.hosts <= 8:
             raise ValueError(f"hosts: expected 2..8, got {self.hosts}")
         if self.target_step > self.steps or self.target_step % self.eval_interval:

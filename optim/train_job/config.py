@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from bindings.validate import check_bool, check_density
 from optim.diloco import DiLoCo, diloco_period
 from optim.local import LOCAL_SCHEDULES, NORMALIZERS, WINDOW_ORDERS, LocalAdamS
 from optim.local_optimizer import NOISE, LocalOptimizer
@@ -150,8 +151,7 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
-        if not 0.0 < self.density <= 1.0:
-            raise ValueError(f"density must be in (0, 1], got {self.density}")
+        check_density(self.density)
         if self.powersgd_rank < 1:
             raise ValueError(f"powersgd_rank must be >= 1, got {self.powersgd_rank}")
         if self.optimizer in DDP_HOOKS and self.backend != "gloo":
@@ -169,8 +169,7 @@ class TrainConfig:
             raise ValueError(f"local_normalizer_dtype must be float32 or bfloat16, got {self.local_normalizer_dtype!r}")
         if self.local_noise not in NOISE:
             raise ValueError(f"local_noise must be one of {NOISE}, got {self.local_noise!r}")
-        if not isinstance(self.local_overlap, bool):
-            raise ValueError(f"local_overlap must be True or False, got {self.local_overlap!r}")
+        check_bool("local_overlap", self.local_overlap)
         if self.local_moment not in LOCAL_MOMENTS:
             raise ValueError(f"local_moment must be one of {tuple(LOCAL_MOMENTS)}, got {self.local_moment!r}")
         if self.local_schedule not in LOCAL_SCHEDULES:

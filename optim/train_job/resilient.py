@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from bindings.errors import CommError
+from bindings.validate import check_choice, check_int
 from optim.paths import pythonpath_env
 from optim.resilient import ResilientConfig, ResilientTraining
 from optim.snapshot import UnrecoverableStateError
@@ -108,15 +109,11 @@ class ResilienceConfig:
         )
 
     def __post_init__(self) -> None:
-        if isinstance(self.spares, bool) or not isinstance(self.spares, int) or self.spares < 0:
-            raise ValueError(f"spares: must be an int >= 0, got {self.spares!r}")
-        if self.recovery not in RECOVERY_MODES:
-            raise ValueError(f"recovery: must be one of {RECOVERY_MODES}, got {self.recovery!r}")
+        check_int("spares", self.spares, low=0)
+        check_choice("recovery", self.recovery, RECOVERY_MODES)
         if not self.heartbeat_timeout_s > 0:
             raise ValueError(f"heartbeat_timeout_s: must be > 0, got {self.heartbeat_timeout_s!r}")
-        block = self.snapshot_block
-        if isinstance(block, bool) or not isinstance(block, int) or block < 0:
-            raise ValueError(f"snapshot_block: must be an int >= 0, got {block!r}")
+        check_int("snapshot_block", self.snapshot_block, low=0)
         self.resilient_config(60.0)  # checks the snapshot and checkpoint settings together
         for kill in self.kills:
             if len(kill) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in kill):

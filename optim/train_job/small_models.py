@@ -18,13 +18,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bindings.validate import check_int
+
 __all__ = ["DigitsCNN", "RecurrentLM"]
 
 
 def _positive(**values: int) -> None:
     for name, value in values.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        check_int(name, value, low=1)
 
 
 class RecurrentLM(nn.Module):
