@@ -361,8 +361,9 @@ class FaultAwareCommunicator(FailFastCommunicator):
             ValueError: ``rank`` is not a rank of the current epoch.
         """
         view = self._view
-        if view is None or isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < view.world_size:
+        if view is None:
             raise ValueError(f"rank: not a rank of the current epoch: {rank!r}")
+        check_int("rank", rank, low=0, high=view.world_size - 1)
         self._m.evict(view.epoch, view.members[rank], reason)
 
     def commit(self, step: int, ok: bool = True, timeout: timedelta | None = None) -> bool:

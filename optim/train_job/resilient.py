@@ -116,10 +116,10 @@ class ResilienceConfig:
         check_int("snapshot_block", self.snapshot_block, low=0)
         self.resilient_config(60.0)  # checks the snapshot and checkpoint settings together
         for kill in self.kills:
-            if len(kill) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in kill):
+            if len(kill) != 2:
                 raise ValueError(f"kills: expected (slot, step) int pairs, got {kill!r}")
-            if kill[0] < 0 or kill[1] < 1:
-                raise ValueError(f"kills: slot must be >= 0 and step >= 1, got {kill!r}")
+            check_int("kills slot", kill[0], low=0)
+            check_int("kills step", kill[1], low=1)
 
     def check_against(self, config: TrainConfig) -> None:
         """Raise ``ValueError`` for kills outside the run or a non-sharded optimizer."""
