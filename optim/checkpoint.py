@@ -60,6 +60,7 @@ from typing import Any
 import torch
 
 import sparsecomm.distributed as dist
+from bindings.validate import check_bool, check_int
 from optim import lossy
 from optim.delta import apply_delta, encode_delta
 from optim.snapshot import decode_tree, tensor_layout
@@ -118,11 +119,12 @@ class CheckpointStore:
     def __init__(
         self, path: str | os.PathLike[str], keep: int = 2, full_every: int = 8, *, lossy: bool = False
     ) -> None:
-        for name, v in (("keep", keep), ("full_every", full_every)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise CheckpointError(f"{name}: must be an int >= 1, got {v!r}")
-        if not isinstance(lossy, bool):
-            raise CheckpointError(f"lossy: must be a bool, got {lossy!r}")
+        try:
+            check_int("keep", keep, low=1)
+            check_int("full_every", full_every, low=1)
+            check_bool("lossy", lossy)
+        except ValueError as e:  # the documented error of a bad store setting
+            raise CheckpointError(str(e)) from None
         self.path = Path(path)
         self.keep = keep
         self.full_every = full_every
