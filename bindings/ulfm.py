@@ -1,7 +1,7 @@
 """ULFM (MPI User-Level Failure Mitigation) primitives, over mpi4py.
 
 The only place outside :mod:`bindings.mpi_backend` that touches mpi4py for the
-fault-tolerant MPI path: :class:`resilient_comm.ulfm.UlfmCommunicator` drives
+fault-tolerant MPI path: :class:`resilient_comm.ulfm_communicator.UlfmCommunicator` drives
 these through :class:`FtComm`, an opaque handle on one MPI communicator, and
 never sees mpi4py itself.
 

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from optim.adams import AdamS, adams_step_, adams_step_foreach_, bias_correction_factor, step_bound
-from optim.diloco import DiLoCo
-from optim.local import LocalAdamS
-from optim.local_optimizer import LocalOptimizer
-from optim.scape import SCAPE
-from optim.sharded import ShardedAdamS, ShardedAdamW
-from optim.sparseloco import SparseLoCo
-from optim.topk import TopKAdamS
+from optim.optimizers.adams import AdamS, adams_step_, adams_step_foreach_, bias_correction_factor, step_bound
+from optim.optimizers.diloco import DiLoCo
+from optim.optimizers.local import LocalAdamS
+from optim.optimizers.local_optimizer import LocalOptimizer
+from optim.optimizers.scape import SCAPE
+from optim.optimizers.sharded import ShardedAdamS, ShardedAdamW
+from optim.optimizers.sparseloco import SparseLoCo
+from optim.optimizers.topk import TopKAdamS
 
 __all__ = [
     "AdamS",

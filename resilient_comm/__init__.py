@@ -9,14 +9,13 @@
   epoch (a spare in the dead slot, or a smaller world);
 * :class:`ResilientCommunicator` is the surface (and call order) both
   fault-aware communicators offer: :class:`FaultAwareCommunicator` and
-  :class:`~resilient_comm.ulfm.UlfmCommunicator` (MPI ULFM, no coordinator);
+  :class:`~resilient_comm.ulfm_communicator.UlfmCommunicator` (MPI ULFM, no coordinator);
 * :func:`~resilient_comm.launcher.launch` starts a coordinator, the workers and
   the spares on this machine.
 """
 
 from __future__ import annotations
 
-from resilient_comm.communicator import FaultAwareCommunicator
 from resilient_comm.coordinator import Coordinator, CoordinatorConfig
 from resilient_comm.errors import MembershipError, StaleEpochError
 from resilient_comm.events import (
@@ -28,6 +27,7 @@ from resilient_comm.events import (
     read_event_dir,
     read_events,
 )
+from resilient_comm.fault_aware import FaultAwareCommunicator
 from resilient_comm.membership import StoreMembership
 from resilient_comm.protocol import Reconfiguration, ResilientCommunicator
 from resilient_comm.view import MODES, MemberInfo, View

@@ -1,7 +1,7 @@
 """Collectives forwarded to the current epoch's transport, failing fast when the epoch fails.
 
 :class:`FailFastCommunicator` is the data-plane half of
-:class:`~resilient_comm.communicator.FaultAwareCommunicator`: it holds one
+:class:`~resilient_comm.fault_aware.FaultAwareCommunicator`: it holds one
 epoch's transport (and its :class:`SideChannel`) at a time and forwards every
 operation to it. An operation on an epoch that failed raises at once; an
 operation whose transport raises fails the epoch here (the revoke: this
@@ -224,7 +224,7 @@ class FailFastCommunicator(BaseCommunicator):
 
 class SideChannel(BaseCommunicator):
     """A second transport of one epoch, failing fast with it (see
-    :attr:`~resilient_comm.communicator.FaultAwareCommunicator.side_channel`)."""
+    :attr:`~resilient_comm.fault_aware.FaultAwareCommunicator.side_channel`)."""
 
     def __init__(self, owner: FailFastCommunicator, epoch: int, transport: TorchCommunicator) -> None:
         super().__init__(transport.rank, transport.world_size, timeout=owner.timeout)

@@ -1,4 +1,4 @@
-"""Bounded waits on one epoch's transport, for :class:`~resilient_comm.communicator.FaultAwareCommunicator`.
+"""Bounded waits on one epoch's transport, for :class:`~resilient_comm.fault_aware.FaultAwareCommunicator`.
 
 Every wait here ends at its deadline or as soon as the epoch it belongs to is
 given up (aborted by this member or by the coordinator), whichever comes

@@ -24,8 +24,8 @@ from typing import Any
 from bindings.spawn import ForkedPython
 from bindings.validate import check_choice, check_int
 from resilient_comm.auth import ENV_SECRET_FILE, JobSecret
-from resilient_comm.communicator import ENV_ADDRESS, ENV_JOB, ENV_ROLE, ENV_SLOT
 from resilient_comm.coordinator import Coordinator, CoordinatorConfig
+from resilient_comm.fault_aware import ENV_ADDRESS, ENV_JOB, ENV_ROLE, ENV_SLOT
 
 __all__ = ["LaunchConfig", "Launcher", "launch", "ENV_BACKEND", "ENV_PRELOAD"]
 

@@ -3,8 +3,8 @@
 Both fault-aware communicators form a new epoch the same way, and both call
 :func:`plan_next_epoch` to do it: the coordinator
 (:class:`~resilient_comm.coordinator.Coordinator`) for
-:class:`~resilient_comm.communicator.FaultAwareCommunicator`, and every live
-process alike for :class:`~resilient_comm.ulfm.UlfmCommunicator`. The rule:
+:class:`~resilient_comm.fault_aware.FaultAwareCommunicator`, and every live
+process alike for :class:`~resilient_comm.ulfm_communicator.UlfmCommunicator`. The rule:
 
 1. quorum: the survivors of the current epoch must satisfy the quorum rule
    (by default :func:`majority`: more than half of its slots), else no epoch

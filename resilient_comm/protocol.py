@@ -2,9 +2,9 @@
 
 :class:`ResilientCommunicator` is what training code may rely on whichever
 implementation runs underneath:
-:class:`~resilient_comm.communicator.FaultAwareCommunicator` (a coordinator
+:class:`~resilient_comm.fault_aware.FaultAwareCommunicator` (a coordinator
 and one gloo / NCCL transport per epoch) or
-:class:`~resilient_comm.ulfm.UlfmCommunicator` (MPI ULFM, no coordinator).
+:class:`~resilient_comm.ulfm_communicator.UlfmCommunicator` (MPI ULFM, no coordinator).
 :class:`Reconfiguration` is what either reports when a process moves to a new
 epoch.
 """
@@ -125,8 +125,8 @@ class ResilientCommunicator(Communicator, Protocol):
 
 
 if TYPE_CHECKING:  # both implementations satisfy the protocol (checked statically)
-    from resilient_comm.communicator import FaultAwareCommunicator
-    from resilient_comm.ulfm import UlfmCommunicator
+    from resilient_comm.fault_aware import FaultAwareCommunicator
+    from resilient_comm.ulfm_communicator import UlfmCommunicator
 
     _FAULT_AWARE: type[ResilientCommunicator] = FaultAwareCommunicator
     _ULFM: type[ResilientCommunicator] = UlfmCommunicator

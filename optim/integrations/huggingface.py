@@ -30,7 +30,7 @@ from typing import Any
 from torch.nn.parallel import DistributedDataParallel
 from transformers import Trainer, TrainerCallback
 
-from optim.capabilities import capabilities
+from optim.optimizers.capabilities import capabilities
 from sparsecomm.hooks import SparseHookState, let_optimizer_sync, sparse_allreduce_hook
 
 __all__ = ["DDPCommCallback", "syncs_gradients_itself"]

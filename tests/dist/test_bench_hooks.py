@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bindings.stats import ring_bytes
-from optim.benchmarks.ddp_hooks import HookBenchConfig, hook_variants, run_hook_bench
+from optim.apps.benchmarks.ddp_hooks import HookBenchConfig, hook_variants, run_hook_bench
 from sparsecomm.mask import k_for, shard_size_for
 from sparsecomm.schedule import wire_encoding
 

@@ -5,9 +5,14 @@ from __future__ import annotations
 import pytest
 
 from bindings.stats import ring_bytes
-from optim.cli.bench import format_optimizer_table
-from optim.benchmarks.optimizer import OptimizerBenchConfig, bench_variants, optimizer_bench_worker, summarize_ranks
-from optim.train_job.model import GPT
+from optim.apps.cli.bench import format_optimizer_table
+from optim.apps.benchmarks.optimizer import (
+    OptimizerBenchConfig,
+    bench_variants,
+    optimizer_bench_worker,
+    summarize_ranks,
+)
+from optim.apps.train_job.model import GPT
 from tests.dist.harness import run_ranks
 
 pytestmark = pytest.mark.dist

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from optim.benchmarks.sparse_ops import bench_sparse_rank
-from optim.cli.bench import format_sparse_table
+from optim.apps.benchmarks.sparse_ops import bench_sparse_rank
+from optim.apps.cli.bench import format_sparse_table
 from tests.dist.harness import run_ranks
 
 pytestmark = pytest.mark.dist

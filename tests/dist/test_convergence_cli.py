@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from optim.benchmarks.convergence import convergence_variants, largest_loss_rise
-from optim.benchmarks.output import git_commit
-from optim.cli.main import main
+from optim.apps.benchmarks.convergence import convergence_variants, largest_loss_rise
+from optim.apps.benchmarks.output import git_commit
+from optim.apps.cli.main import main
 
 pytestmark = pytest.mark.dist
 

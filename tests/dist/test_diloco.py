@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from optim.outer import OuterLoop
+from optim.optimizers.outer import OuterLoop
 from tests.dist.harness import run_ranks
 from tests.dist.test_local import _loss, _model
 
@@ -267,7 +267,7 @@ def test_a_bad_argument_on_one_rank_raises_on_both() -> None:
 
 
 def test_equal_bytes_period() -> None:
-    from optim.diloco import diloco_period
+    from optim.optimizers.diloco import diloco_period
 
     assert [diloco_period(d) for d in (1.0, 0.1, 0.01, 0.3)] == [1, 10, 100, 3]
     assert diloco_period(0.1, torch.bfloat16) == 5
@@ -276,7 +276,7 @@ def test_equal_bytes_period() -> None:
 
 
 def _from_config(rank: int, ws: int) -> list[tuple[str, int, int]]:
-    from optim.train_job.config import TrainConfig, build_optimizer
+    from optim.apps.train_job.job_config import TrainConfig, build_optimizer
 
     out = []
     for name in ("diloco-adamw", "sparseloco-adamw"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from optim.benchmarks.suite import run_suite
+from optim.apps.benchmarks.suite import run_suite
 
 pytestmark = pytest.mark.dist
 

@@ -323,7 +323,7 @@ def test_topk_replicas_identical_and_match_reference() -> None:
 
 
 def _rank_resume(rank: int, ws: int, kind: str, via: str) -> dict:
-    from optim.snapshot import decode_tree, encode_tree
+    from optim.state.snapshot import decode_tree, encode_tree
 
     a = _model()
     oa = _make(kind, a.parameters(), 0.25)
@@ -371,7 +371,7 @@ def test_resume_is_bitwise(kind: str, via: str) -> None:
 
 
 def _rank_snapshot(rank: int, ws: int) -> bytes:
-    from optim.snapshot import encode_tree
+    from optim.state.snapshot import encode_tree
 
     model = _model()
     opt = _make("staggered-int4", model.parameters(), 0.25)
@@ -389,7 +389,7 @@ def _rank_snapshot(rank: int, ws: int) -> bytes:
 def _rank_restore_replica(rank: int, ws: int, saved: list[bytes]) -> dict:
     import io
 
-    from optim.snapshot import decode_tree
+    from optim.state.snapshot import decode_tree
 
     model = _model(seed=5)
     opt = _make("staggered-int4", model.parameters(), 0.25)

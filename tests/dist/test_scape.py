@@ -57,9 +57,9 @@ def _split(flat: torch.Tensor) -> list[torch.Tensor]:
 
 # ---------------------------------------------------------------------------- density 1
 def _rank_dense_equivalence(rank: int, ws: int, steps: int) -> dict:
-    from optim.adams import AdamS
-    from optim.scape import SCAPE
-    from optim.sharded import ShardedAdamS, ShardedAdamW
+    from optim.optimizers.adams import AdamS
+    from optim.optimizers.scape import SCAPE
+    from optim.optimizers.sharded import ShardedAdamS, ShardedAdamW
 
     hp = dict(lr=0.05, weight_decay=0.1)
     ps_a, ps_b, ps_r, ps_w, ps_rw = (_params() for _ in range(5))
@@ -127,7 +127,7 @@ def _expected_scores(
 def _rank_sparse(
     rank: int, ws: int, delay: int, policy: str, poison: bool, score: str = "abs_m", explore: float = 0.0
 ) -> dict:
-    from optim.scape import SCAPE
+    from optim.optimizers.scape import SCAPE
     from sparsecomm.mask import topk_piece
 
     ps = _params()
@@ -251,7 +251,7 @@ def check_sparse(res: list[dict], delay: int) -> None:
 
 # ---------------------------------------------------------------------------- resume, determinism
 def _run_scape(rank: int, steps: int, split: int | None, kw: dict) -> str:
-    from optim.scape import SCAPE
+    from optim.optimizers.scape import SCAPE
 
     ps = _params()
     opt = SCAPE(ps, **kw)
@@ -313,7 +313,7 @@ def test_resume_and_determinism() -> None:
 
 # ---------------------------------------------------------------------------- error feedback
 def _rank_error_feedback(rank: int, ws: int) -> dict:
-    from optim.scape import SCAPE
+    from optim.optimizers.scape import SCAPE
 
     ps = _params()
     opt = SCAPE(ps, lr=0.05, density=0.2, mask_delay=1, warmup_steps=2, refresh_every=6, error_feedback=True)
@@ -355,8 +355,8 @@ def test_error_feedback_conservation() -> None:
 
 # ---------------------------------------------------------------------------- bad input
 def _rank_bad_input(rank: int, ws: int) -> dict:
-    from optim.scape import SCAPE
-    from optim.sharded import ShardedAdamS
+    from optim.optimizers.scape import SCAPE
+    from optim.optimizers.sharded import ShardedAdamS
 
     def outcome(fn) -> str:
         try:

@@ -79,7 +79,7 @@ def test_replicas_are_one_after_each_outer_step_and_the_accumulator_keeps_the_re
 
 
 def test_one_all_gather_of_the_payload_per_outer_step() -> None:
-    from optim.sparseloco import SparseLoCoPlan
+    from optim.optimizers.sparseloco import SparseLoCoPlan
 
     res = run_ranks(_run, 2, timeout=60)
     payload = res[0]["payload"]
@@ -134,7 +134,7 @@ def test_a_bad_argument_on_one_rank_raises_on_both() -> None:
 
 @pytest.mark.parametrize(("density", "ws"), [(0.1, 4), (0.01, 4), (0.01, 2), (0.001, 4), (0.1, 2)])
 def test_the_density_plan_sends_density_times_the_dense_bytes(density: float, ws: int) -> None:
-    from optim.sparseloco import sparseloco_plan
+    from optim.optimizers.sparseloco import sparseloco_plan
 
     n = 26122  # the digits MLP of the convergence suite
     plan = sparseloco_plan(density, n, ws)
@@ -147,7 +147,7 @@ def test_the_density_plan_sends_density_times_the_dense_bytes(density: float, ws
 
 
 def test_indices_pack_into_their_width_and_back() -> None:
-    from optim.sparseloco import pack_indices, unpack_indices
+    from optim.optimizers.sparseloco import pack_indices, unpack_indices
 
     idx = torch.tensor([0, 4095, 17, 2048, 1, 4094, 3000])
     packed = pack_indices(idx, 12)

@@ -12,10 +12,10 @@ import pytest
 
 from bindings.spawn import LocalRunError
 from bindings.stats import ring_bytes
-from optim.cli.main import build_parser, build_report, write_report
-from optim.cli.options import model_settings
-from optim.train_job.config import TrainConfig, lr_at
-from optim.train_job.train import OnStep, launch_local, run_training
+from optim.apps.cli.main import build_parser, build_report, write_report
+from optim.apps.cli.options import model_settings
+from optim.apps.train_job.job_config import TrainConfig, lr_at
+from optim.apps.train_job.train import OnStep, launch_local, run_training
 
 pytestmark = pytest.mark.dist
 

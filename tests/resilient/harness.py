@@ -1,4 +1,4 @@
-"""Run ``optim.benchmarks.drill`` jobs under an in-process :class:`Launcher` and read what happened.
+"""Run ``optim.testing.drill`` jobs under an in-process :class:`Launcher` and read what happened.
 
 The test process hosts the coordinator (through the launcher); the workers and
 spares are real OS processes, killed or stopped by pid. :class:`DrillJob` is a
@@ -21,8 +21,8 @@ from typing import Any, TypeVar
 
 from bindings.spawn import ForkedPython
 from bindings.store import connect_store
-from optim.benchmarks.hosts import kill_all, wait_for
-from optim.paths import REPO_ROOT
+from optim.apps.paths import REPO_ROOT
+from optim.testing.hosts import kill_all, wait_for
 from resilient_comm import keys
 from resilient_comm.auth import ControlStore, JobSecret
 from resilient_comm.events import read_event_dir, read_events
@@ -167,7 +167,7 @@ class DrillJob:
     ) -> None:
         self.log_dir = Path(log_dir)
         self.steps = steps
-        cmd = [sys.executable, "-m", "optim.benchmarks.drill", "--steps", str(steps), "--numel", str(numel)]
+        cmd = [sys.executable, "-m", "optim.testing.drill", "--steps", str(steps), "--numel", str(numel)]
         cmd += ["--sleep", str(sleep), "--log", str(self.log_dir), "--resource-every", str(resource_every)]
         cmd += ["--max-rejoins", str(max_rejoins)]
         config = LaunchConfig(

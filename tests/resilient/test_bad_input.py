@@ -10,9 +10,9 @@ from datetime import timedelta
 import pytest
 import torch
 
-from resilient_comm.communicator import FaultAwareCommunicator
 from resilient_comm.coordinator import Coordinator, CoordinatorConfig
 from resilient_comm.errors import MembershipError
+from resilient_comm.fault_aware import FaultAwareCommunicator
 from resilient_comm.launcher import LaunchConfig, Launcher
 from resilient_comm.membership import StoreMembership
 from tests.resilient.harness import wait_until

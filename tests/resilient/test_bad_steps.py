@@ -1,4 +1,4 @@
-"""Bad steps are skipped, not fatal (optim.resilient): a NaN gradient or an infinite loss injected for real on one
+"""Bad steps are skipped, not fatal (optim.resilient.loop): a NaN gradient or an infinite loss injected for real on one
 worker of a launched job."""
 
 from __future__ import annotations

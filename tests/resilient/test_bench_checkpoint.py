@@ -10,14 +10,14 @@ from typing import Any
 
 import pytest
 
-from optim.benchmarks.checkpoint import (
+from optim.apps.benchmarks.snapshots import (
     RECOVERY_PHASES,
     CheckpointBenchConfig,
     overhead_from_events,
     run_checkpoint_bench,
 )
-from optim.cli.bench_checkpoint import format_checkpoint_table
-from optim.train_job.resilient import ResilienceConfig
+from optim.apps.cli.bench_checkpoint import format_checkpoint_table
+from optim.apps.train_job.resilient_job import ResilienceConfig
 
 
 def test_config_rejects_bad_values() -> None:

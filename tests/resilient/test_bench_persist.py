@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from optim.benchmarks.persist import PersistBenchConfig, run_persist_bench
-from optim.cli.bench_persist import format_persist_table
+from optim.apps.benchmarks.persist import PersistBenchConfig, run_persist_bench
+from optim.apps.cli.bench_persist import format_persist_table
 
 pytestmark = pytest.mark.dist
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from optim.benchmarks.etcd_cluster import etcd_unavailable
-from optim.benchmarks.hosts import unavailable
-from optim.benchmarks.recovery import PHASES, RecoveryBenchConfig, run_recovery_bench
-from optim.cli.bench_recovery import format_recovery_table
+from optim.apps.benchmarks.recovery import PHASES, RecoveryBenchConfig, run_recovery_bench
+from optim.apps.cli.bench_recovery import format_recovery_table
+from optim.testing.etcd_cluster import etcd_unavailable
+from optim.testing.hosts import unavailable
 
 
 def test_config_rejects_bad_values() -> None:

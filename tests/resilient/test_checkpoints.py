@@ -1,4 +1,4 @@
-"""Persistent checkpoints (optim.checkpoint through optim.resilient): the whole job SIGKILLed, launcher and all,
+"""Persistent checkpoints (optim.state.checkpoint through optim.resilient): the whole job SIGKILLed, launcher and all,
 then resumed bit for bit; and every kind of bad checkpoint directory refused on every rank before anything loads.
 The job is ``examples/resilient_loop.py`` under a launcher (``sparsecomm launch`` where the whole job is killed).
 """
@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 import torch
 
-from optim.checkpoint import MAGIC, CheckpointError, CheckpointStore
-from optim.cli.main import main
-from optim.train_job.resilient import train_config_from
-from optim.train_job.tasks import make_task
+from optim.apps.cli.main import main
+from optim.apps.train_job.resilient_job import train_config_from
+from optim.apps.train_job.tasks import make_task
+from optim.state.checkpoint import MAGIC, CheckpointError, CheckpointStore
 from tests.resilient.harness import JobWatch, run_job
 
 pytestmark = pytest.mark.dist
@@ -242,7 +242,7 @@ def test_lossy_checkpoints_are_smaller_and_resume_close_to_the_run(tmp_path: Pat
 
 
 def test_export_state_dict_is_a_plain_torch_file(tmp_path: Path) -> None:
-    from optim.checkpoint import export_state_dict
+    from optim.state.checkpoint import export_state_dict
 
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
     path = export_state_dict(model, tmp_path / "model.pt")

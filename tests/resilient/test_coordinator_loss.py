@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from optim.benchmarks.hosts import HostsJob, Loopback
+from optim.testing.hosts import HostsJob, Loopback
 
 pytestmark = pytest.mark.dist
 

@@ -1,4 +1,4 @@
-"""Failure-transparent training under real process deaths (``optim.train_job.resilient``).
+"""Failure-transparent training under real process deaths (``optim.apps.train_job.resilient_job``).
 
 Every test runs the real job (coordinator in this process, workers and spares
 as OS processes), SIGKILLs workers while steps run, and compares the result
@@ -31,9 +31,9 @@ from typing import Any
 
 import pytest
 
-from optim.checkpoint import CheckpointStore
-from optim.train_job.config import TrainConfig
-from optim.train_job.resilient import ResilienceConfig, run_resilient_training
+from optim.apps.train_job.job_config import TrainConfig
+from optim.apps.train_job.resilient_job import ResilienceConfig, run_resilient_training
+from optim.state.checkpoint import CheckpointStore
 from resilient_comm.events import read_event_dir
 from tests.resilient.harness import wait_until
 

@@ -30,8 +30,8 @@ import pytest
 from torch.distributed import DistStoreError
 
 from bindings.etcd_store import EtcdStore, FencedError
-from optim.benchmarks.etcd_cluster import EtcdCluster, etcd_unavailable
-from optim.benchmarks.hosts import wait_for
+from optim.testing.etcd_cluster import EtcdCluster, etcd_unavailable
+from optim.testing.hosts import wait_for
 from resilient_comm.config import CoordinatorConfig
 from resilient_comm.events import read_event_dir, read_events
 from tests.resilient.harness import JobWatch, check_contiguous
@@ -268,7 +268,7 @@ def _drill_job(
     cmd = [sys.executable, "-m", "optim", "launch", "--nproc", "3", "--store", cluster.address, "--job", job]
     cmd += ["--spares", str(spares)]
     cmd += ["--heartbeat-timeout", str(hb), "--job-timeout", str(JOB_TIMEOUT_S), "--events", str(tmp / "launch.jsonl")]
-    cmd += ["--", sys.executable, "-m", "optim.benchmarks.drill", "--steps", str(steps), "--sleep", "0.02"]
+    cmd += ["--", sys.executable, "-m", "optim.testing.drill", "--steps", str(steps), "--sleep", "0.02"]
     cmd += ["--log", str(tmp / "drill"), "--timeout", "20"]
     return subprocess.Popen(
         cmd, env=_env(watch.env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True

@@ -1,6 +1,6 @@
 """Real-process fault tests of the fault-aware communicator (``resilient_comm``).
 
-Each test runs ``python -m optim.benchmarks.drill`` workers and spares under a
+Each test runs ``python -m optim.testing.drill`` workers and spares under a
 launcher hosted in the test process, kills or stops them by pid, and checks
 the coordinator's events, the workers' own logs and the exit statuses. The
 drill checks every all_reduce sum itself (a wrong sum exits 2), so a job that

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from optim.benchmarks.hosts import kill_all
+from optim.testing.hosts import kill_all
 from resilient_comm.events import read_events
 from tests.resilient.harness import REPO_ROOT, wait_until
 

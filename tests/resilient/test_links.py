@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from optim.benchmarks.hosts import Hosts, parse_rate, unavailable
-from optim.benchmarks.links import LinkBenchConfig, measure_link, tcp_bytes_for
-from optim.cli.main import main as cli_main
+from optim.apps.benchmarks.links import LinkBenchConfig, measure_link, tcp_bytes_for
+from optim.apps.cli.main import main as cli_main
+from optim.testing.hosts import Hosts, parse_rate, unavailable
 
 WHY = unavailable(shaped=True)
 needs_hosts = pytest.mark.skipif(WHY is not None, reason=str(WHY))

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from bindings.spawn import ForkedPython
-from optim.benchmarks.hosts import DEFAULT_PORT, HostProcess, Hosts, HostsJob, unavailable, wait_for
+from optim.testing.hosts import DEFAULT_PORT, HostProcess, Hosts, HostsJob, unavailable, wait_for
 from tests.resilient.harness import check_contiguous
 
 pytestmark = [

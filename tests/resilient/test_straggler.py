@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from optim.train_job.config import TrainConfig
-from optim.train_job.resilient import ResilienceConfig, run_resilient_training
+from optim.apps.train_job.job_config import TrainConfig
+from optim.apps.train_job.resilient_job import ResilienceConfig, run_resilient_training
 
 pytestmark = pytest.mark.dist
 

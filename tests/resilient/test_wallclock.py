@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from optim.benchmarks.hosts import unavailable
-from optim.benchmarks.wallclock import WallclockConfig, cell_name, summarize
-from optim.cli.main import main as cli_main
+from optim.apps.benchmarks.wallclock import WallclockConfig, cell_name, summarize
+from optim.apps.cli.main import main as cli_main
+from optim.testing.hosts import unavailable
 
 WHY = unavailable(shaped=True)
 

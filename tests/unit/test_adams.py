@@ -1,7 +1,7 @@
-"""AdamS optimizer (:mod:`optim.adams`): five invariants plus the ``torch.optim.Optimizer`` contract.
+"""AdamS optimizer (:mod:`optim.optimizers.adams`): five invariants plus the ``torch.optim.Optimizer`` contract.
 
 T1: the first step's closed form (paper form and code form); T2: every step is at
-most ``lr * B`` (:func:`optim.adams.step_bound`); T3: the normalizer uses ``m_{t-1}``,
+most ``lr * B`` (:func:`optim.optimizers.adams.step_bound`); T3: the normalizer uses ``m_{t-1}``,
 not ``m_t``; T4: one state tensor per parameter; T5: a zero gradient with a zero
 momentum gives no update.
 """
@@ -16,8 +16,8 @@ import pytest
 import torch
 from torch import nn
 
-from optim.adams import AdamS, adams_step_, adams_step_foreach_, debiased_adams_step_, step_bound
-from optim.sharded import squared_norm
+from optim.optimizers.adams import AdamS, adams_step_, adams_step_foreach_, debiased_adams_step_, step_bound
+from optim.optimizers.sharded import squared_norm
 
 B1, B2 = 0.9, 0.95
 PAPER_STEP1 = (1 - B1) / math.sqrt(1 - B2)  # 0.4472: m_1 / sqrt(nu_1), m_0 = 0, g = 1
@@ -37,7 +37,7 @@ def _scalar_reference(
     bias_correction: bool,
     wrong: bool = False,
 ) -> list[float]:
-    """Hand-written AdamS on Python floats (the update of :mod:`optim.adams`); ``wrong`` squares m_t."""
+    """Hand-written AdamS on Python floats (the update of :mod:`optim.optimizers.adams`); ``wrong`` squares m_t."""
     w, m, out = w0, 0.0, []
     for t, g in enumerate(gs, start=1):
         c = 1 - B1**t if bias_correction else 1.0

@@ -1,9 +1,10 @@
-"""Every optimizer says what it is (optim.capabilities), and nothing outside the optimizers asks its class."""
+"""Every optimizer says what it is (optim.optimizers.capabilities); nothing outside the optimizers asks its class."""
 
 from __future__ import annotations
 
 import ast
 import importlib
+import pkgutil
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -15,7 +16,7 @@ import torch
 import optim
 import sparsecomm.distributed as dist
 from bindings.store import open_store
-from optim.capabilities import (
+from optim.optimizers.capabilities import (
     PLAIN,
     AveragingOptimizer,
     OptimizerCapabilities,
@@ -24,7 +25,7 @@ from optim.capabilities import (
     StateLayout,
     capabilities,
 )
-from optim.wrapping import check_inner
+from optim.optimizers.wrapping import check_inner
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARDED = OptimizerCapabilities(layout=StateLayout.SHARDED, replicas_drift=False, own_snapshots=True)
@@ -128,8 +129,11 @@ SCANNED = ("bindings", "sparsecomm", "resilient_comm", "optim", "examples")
 
 
 def _optimizer_classes() -> list[type]:
-    for name in ("optim", "optim.outer", "optim.replicated", "optim.sharded", "optim.wrapping"):
-        importlib.import_module(name)
+    """Every optimizer class of ``optim.optimizers`` (every module imported) and of torch."""
+    import optim.optimizers
+
+    for info in pkgutil.iter_modules(optim.optimizers.__path__, "optim.optimizers."):
+        importlib.import_module(info.name)
     seen: list[type] = []
     todo = [torch.optim.Optimizer]
     while todo:
@@ -160,7 +164,7 @@ def test_no_class_checks_on_optimizers_outside_their_modules() -> None:
     assert {"ShardedAdamS", "LocalOptimizer", "WrappingOptimizer", "AdamW"} <= forbidden
     private = {c.__name__ for c in classes if c.__name__.startswith("_")}
     home = {f"{c.__module__.replace('.', '/')}.py" for c in classes if c.__module__.startswith("optim.")}
-    home.add("optim/capabilities.py")
+    home.add("optim/optimizers/capabilities.py")
     bad: list[str] = []
     for package in SCANNED:
         for path in sorted((ROOT / package).rglob("*.py")):
@@ -179,4 +183,4 @@ def test_no_class_checks_on_optimizers_outside_their_modules() -> None:
                 hit = sorted(set(_names(node.args[1])) & forbidden)
                 if hit:
                     bad.append(f"{rel}:{node.lineno} {node.func.id}(..., {', '.join(hit)})")
-    assert not bad, "ask optim.capabilities.capabilities(optimizer) instead:\n" + "\n".join(bad)
+    assert not bad, "ask optim.optimizers.capabilities.capabilities(optimizer) instead:\n" + "\n".join(bad)

@@ -1,4 +1,4 @@
-"""Delta checkpoints: the codec (:mod:`optim.delta`) and the store's chains, retention and refusals."""
+"""Delta checkpoints: the codec (:mod:`optim.state.delta`) and the store's chains, retention and refusals."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import random
 import pytest
 import torch
 
-from optim import lossy
-from optim.checkpoint import CheckpointError, CheckpointStore
-from optim.delta import apply_delta, encode_delta
-from optim.snapshot import decode_tree, encode_tree
+from optim.state import lossy
+from optim.state.checkpoint import CheckpointError, CheckpointStore
+from optim.state.delta import apply_delta, encode_delta
+from optim.state.snapshot import decode_tree, encode_tree
 
 FP = "f" * 32
 

@@ -1,4 +1,4 @@
-"""Corpus loading, byte tokens and deterministic batch sampling (:mod:`optim.train_job.data`)."""
+"""Corpus loading, byte tokens and deterministic batch sampling (:mod:`optim.apps.train_job.data`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from optim.train_job.data import (
+from optim.apps.train_job.data import (
     VOCAB_SIZE,
     Corpus,
     decode,

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 import torch
 
-from optim.benchmarks import suite as suite_module
-from optim.benchmarks.suite import run_suite
-from optim.benchmarks.suite_report import format_suite_table, suite_table, summary_table
-from optim.benchmarks.suite_settings import (
+from optim.apps.benchmarks import suite as suite_module
+from optim.apps.benchmarks.suite import run_suite
+from optim.apps.benchmarks.suite_report import format_suite_table, suite_table, summary_table
+from optim.apps.benchmarks.suite_settings import (
     DEFAULT_SEEDS,
     FIRST_HELDOUT_SEED,
     HELDOUT_SEEDS,
@@ -25,12 +25,12 @@ from optim.benchmarks.suite_settings import (
     TUNING_SETTINGS,
     split_of,
 )
-from optim.cli.main import main
-from optim.cli.render import RenderError, render_text
-from optim.train_job.config import TrainConfig
-from optim.train_job.data import torch_doc_bytes
-from optim.train_job.small_models import DigitsCNN, RecurrentLM
-from optim.train_job.tasks import TaskSpec, make_task
+from optim.apps.cli.main import main
+from optim.apps.cli.render import RenderError, render_text
+from optim.apps.train_job.data import torch_doc_bytes
+from optim.apps.train_job.job_config import TrainConfig
+from optim.apps.train_job.small_models import DigitsCNN, RecurrentLM
+from optim.apps.train_job.tasks import TaskSpec, make_task
 
 ROOT = Path(__file__).resolve().parents[2]
 

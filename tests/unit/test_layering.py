@@ -51,10 +51,10 @@ def _imported_modules(path: Path) -> set[str]:
 TRANSPORT_EXCEPTIONS = {
     # The torchft baseline of the recovery benchmark drives torchft's own
     # process groups and stores, as torchft's users do.
-    "optim/benchmarks/torchft_baseline.py",
+    "optim/apps/benchmarks/torchft_baseline.py",
     # The train job's DDP choices (and the DDP hook benchmark) run torch's DDP with torch's own hooks
     # (all-reduce, PowerSGD) as their users do, and count their bytes around torch.distributed's collectives.
-    "optim/train_job/ddp.py",
+    "optim/apps/train_job/ddp.py",
 }
 
 
@@ -71,14 +71,40 @@ def test_only_bindings_touches_transports() -> None:
     assert not bad, "\n".join(bad)
 
 
+#: optim's library: what a user imports. The applications (optim.apps) and the harnesses of the tests and
+#: benchmarks (optim.testing) are built on it, never the other way round.
+LIBRARY = ("optim/optimizers", "optim/state", "optim/resilient", "optim/integrations", "optim/__init__.py")
+APPLICATIONS = ("optim.apps", "optim.testing")
+
+
 def test_optim_library_imports_no_application() -> None:
-    """optim's top level (optimizers, snapshots, the DeadPool client) stands without the job, benchmarks and CLI."""
-    apps = ("optim.train_job", "optim.benchmarks", "optim.cli")
+    """The optimizers, the DeadPool state and the resilient loop stand without the job, benchmarks, CLI and harnesses."""
     bad = []
-    for path in sorted((ROOT / "optim").glob("*.py")):
-        if path.name == "__main__.py":  # ``python -m optim`` is the command line itself
-            continue
-        for name in _imported_modules(path):
-            if any(name == a or name.startswith(a + ".") for a in apps):
-                bad.append(f"{path.relative_to(ROOT)} imports {name}")
+    for entry in LIBRARY:
+        paths = [ROOT / entry] if entry.endswith(".py") else sorted((ROOT / entry).rglob("*.py"))
+        for path in paths:
+            for name in _imported_modules(path):
+                if any(name == a or name.startswith(a + ".") for a in APPLICATIONS):
+                    bad.append(f"{path.relative_to(ROOT)} imports {name}")
     assert not bad, "\n".join(bad)
+
+
+def test_every_optim_module_has_a_place() -> None:
+    """optim's top level holds only the package's face (``__init__``, ``__main__``); the rest sits in a subpackage."""
+    loose = sorted(p.name for p in (ROOT / "optim").glob("*.py") if p.name not in ("__init__.py", "__main__.py"))
+    assert not loose, f"modules outside optim's subpackages: {loose}"
+
+
+#: Names that do the same job in every package they appear in: the package's own exceptions.
+SAME_JOB = {"errors"}
+
+
+def test_no_two_library_modules_share_a_name() -> None:
+    """A module's name says its job: no two modules of the packages are called the same (``__init__`` aside)."""
+    seen: dict[str, list[str]] = {}
+    for package in FORBIDDEN:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            if path.name not in ("__init__.py", "__main__.py"):
+                seen.setdefault(path.stem, []).append(str(path.relative_to(ROOT)))
+    twice = {name: where for name, where in seen.items() if len(where) > 1 and name not in SAME_JOB}
+    assert not twice, twice

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from optim.benchmarks.mask_codec import bench_mask_codec, format_mask_codec_table
+from optim.apps.benchmarks.mask_codec import bench_mask_codec, format_mask_codec_table
 from sparsecomm.mask import (
     ENCODINGS,
     ShardedMask,
@@ -435,7 +435,7 @@ def test_round_trip_of_a_large_one_percent_piece() -> None:
 
 
 def test_mask_codec_benchmark_rows() -> None:
-    """The timing lives in ``optim.benchmarks.mask_codec``; here only its rows (exact bytes, no speed)."""
+    """The timing lives in ``optim.apps.benchmarks.mask_codec``; here only its rows (exact bytes, no speed)."""
     rows = bench_mask_codec(shard_size=1000, k=10, repeats=2)
     assert [r["encoding"] for r in rows] == list(ENCODINGS)
     by_encoding = {r["encoding"]: r["payload_bytes"] for r in rows}

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from optim.adams import debiased_adams_step_
-from optim.noise import NoiseScale, effective_world_size, sign_sketch
+from optim.optimizers.adams import debiased_adams_step_
+from optim.optimizers.noise import NoiseScale, effective_world_size, sign_sketch
 
 
 @pytest.mark.parametrize("n,columns", [(1, 64), (640, 64), (1000, 64), (5, 3), (4096, 1)])

@@ -313,7 +313,7 @@ def test_wheel_ships_every_package_and_nothing_else(dists: Dists) -> None:
     for top in PACKAGES:
         assert f"{top}/py.typed" in names
     entry_points = zipfile.ZipFile(dists.wheel).read(f"{dist_info}/entry_points.txt").decode()
-    assert re.search(r"^sparsecomm\s*=\s*optim\.cli\.main:main$", entry_points, flags=re.M)
+    assert re.search(r"^sparsecomm\s*=\s*optim\.apps\.cli\.main:main$", entry_points, flags=re.M)
 
 
 def test_sdist_holds_sources_readme_and_examples(dists: Dists) -> None:

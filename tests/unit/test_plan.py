@@ -10,7 +10,7 @@ import pytest
 
 from resilient_comm.errors import MembershipError
 from resilient_comm.plan import majority, plan_next_epoch
-from resilient_comm.ulfm import _plan_from_table
+from resilient_comm.ulfm_communicator import _plan_from_table
 
 
 def test_hotswap_fills_the_dead_slot_with_the_first_spare() -> None:

@@ -19,7 +19,7 @@ import pytest
 
 from bindings.base import Communicator
 from resilient_comm import FaultAwareCommunicator, ResilientCommunicator
-from resilient_comm.ulfm import UlfmCommunicator
+from resilient_comm.ulfm_communicator import UlfmCommunicator
 
 IMPLEMENTATIONS = (FaultAwareCommunicator, UlfmCommunicator)
 #: Public members only one implementation has, and why.

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from optim.benchmarks.output import Table, markdown_table, text_table
-from optim.cli.render import READMES, RenderError, check_file, render_text
+from optim.apps.benchmarks.output import Table, markdown_table, text_table
+from optim.apps.cli.render import READMES, RenderError, check_file, render_text
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -77,7 +77,7 @@ def test_one_table_two_layouts() -> None:
 
 def test_result_files_record_the_commit(tmp_path: Path) -> None:
     """New result files say which commit made them; outside a git checkout the commit is "unknown"."""
-    from optim.benchmarks.output import bench_env, git_commit, write_bench_json
+    from optim.apps.benchmarks.output import bench_env, git_commit, write_bench_json
 
     commit = bench_env()["commit"]
     assert commit == "unknown" or (len(commit) == 40 and int(commit, 16) >= 0)
@@ -87,7 +87,7 @@ def test_result_files_record_the_commit(tmp_path: Path) -> None:
 
 
 def test_the_rise_table_marks_a_sparse_run_that_rises_above_dense() -> None:
-    from optim.benchmarks.suite_report import rise_table
+    from optim.apps.benchmarks.suite_report import rise_table
 
     def row(name: str, rise: float) -> dict:
         return {

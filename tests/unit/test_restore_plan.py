@@ -1,11 +1,11 @@
-"""The restore agreement (:func:`optim.recovery.plan_restore`): which step, and who holds a lost slot's copy."""
+"""The restore agreement (:func:`optim.state.restore.plan_restore`): which step, and who holds a lost slot's copy."""
 
 from __future__ import annotations
 
 import pytest
 
-from optim.recovery import RestorePlan, plan_restore, report_row
-from optim.snapshot import UnrecoverableStateError
+from optim.state.restore import RestorePlan, plan_restore, report_row
+from optim.state.snapshot import UnrecoverableStateError
 
 
 def _rows(world: int, own: dict[int, list[int]], ward: dict[int, list[int]], survivors: list[int]) -> list[list[int]]:

@@ -1,4 +1,4 @@
-"""Each convergence run's record in a file of its own, taken back by commit (``optim.benchmarks.convergence``)."""
+"""Each convergence run's record in a file of its own, taken back by commit (``optim.apps.benchmarks.convergence``)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from optim.benchmarks import convergence
-from optim.benchmarks.convergence import _stored_run, run_file_name
-from optim.train_job.config import TrainConfig
+from optim.apps.benchmarks import convergence
+from optim.apps.benchmarks.convergence import _stored_run, run_file_name
+from optim.apps.train_job.job_config import TrainConfig
 
 
 def test_the_file_name_follows_every_configuration_field() -> None:

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from optim.snapshot import SnapshotRing, decode_tree, encode_tree
+from optim.state.snapshot import SnapshotRing, decode_tree, encode_tree
 
 ALL_DTYPES = (
     torch.float32,

@@ -1,4 +1,4 @@
-"""The straggler verdict (:class:`optim.step_health.StragglerDetector`): pure logic, fed step by step."""
+"""The straggler verdict (:class:`optim.resilient.step_health.StragglerDetector`): pure logic, fed step by step."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from datetime import timedelta
 
 import pytest
 
-from optim.step_health import StragglerDetector
+from optim.resilient.step_health import StragglerDetector
 
 
 def _feed(det: StragglerDetector, steps: list[list[float]]) -> list[int | None]:

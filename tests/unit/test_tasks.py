@@ -1,13 +1,13 @@
-"""The training tasks (:mod:`optim.train_job.tasks`) and the suite's settings (:mod:`optim.benchmarks.suite`)."""
+"""The training tasks (:mod:`optim.apps.train_job.tasks`) and the suite's settings (``optim.apps.benchmarks``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from optim.benchmarks.suite import SETTINGS, SUITE_BASE, mean_over_seeds, run_suite, worst_case
-from optim.train_job.config import TrainConfig
-from optim.train_job.tasks import TaskSpec, make_task, synthetic_text
+from optim.apps.benchmarks.suite import SETTINGS, SUITE_BASE, mean_over_seeds, run_suite, worst_case
+from optim.apps.train_job.job_config import TrainConfig
+from optim.apps.train_job.tasks import TaskSpec, make_task, synthetic_text
 
 
 def test_synthetic_text_is_deterministic_and_structured() -> None:

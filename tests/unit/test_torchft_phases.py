@@ -1,11 +1,11 @@
-"""Phase timings of the torchft recovery benchmark (:mod:`optim.benchmarks.torchft_phases`) on synthetic events."""
+"""Phase timings of the torchft recovery benchmark (:mod:`optim.apps.benchmarks.torchft_phases`) on synthetic events."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from optim.benchmarks.torchft_phases import analyse, last_committed_step, read_replica_events
+from optim.apps.benchmarks.torchft_phases import analyse, last_committed_step, read_replica_events
 from resilient_comm.events import EventWriter
 
 T_KILL = 100.0

@@ -1,11 +1,11 @@
-"""The order in which LocalAdamS's staggered window visits a shard (:func:`optim.window_order.spread_positions`)."""
+"""The order in which LocalAdamS's staggered window visits a shard (``window_order.spread_positions``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from optim.window_order import SPREAD_BLOCK, spread_positions, spread_window, window_positions, window_runs
+from optim.optimizers.window_order import SPREAD_BLOCK, spread_positions, spread_window, window_positions, window_runs
 
 
 @pytest.mark.parametrize("size", [1, 2, 15, 16, 17, 31, 32, 33, 48, 100, 1000, 4099, 65536, 100_003])

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from bindings.errors import PeerFailureError
-from resilient_comm.ulfm import UlfmCommunicator, ulfm_support
+from resilient_comm.ulfm_communicator import UlfmCommunicator, ulfm_support
 
 STEPS = 10
 KILL_STEP = 5

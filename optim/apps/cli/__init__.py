@@ -1,0 +1,1 @@
+"""The ``sparsecomm`` command line (entry point: :func:`optim.apps.cli.main.main`)."""

@@ -1,0 +1,451 @@
+"""A data-parallel training job over :mod:`sparsecomm.distributed`.
+
+Every rank holds the whole model (identical seeded initialisation, checked
+with a broadcast) and draws its own batch of ``(seed, step, rank)``. The
+optimizer (``TrainConfig.optimizer``) decides how gradients are synchronized:
+
+* ``adamw`` (:class:`optim.ShardedAdamW`), ``adams`` (:class:`optim.ShardedAdamS`)
+  and ``scape`` (:class:`optim.SCAPE`) synchronize inside ``step()`` (ZeRO-1
+  reduce-scatter / all-gather, sparse for SCAPE) and clip the global norm of
+  the synchronized gradient themselves (``max_grad_norm``). The rank-averaged
+  training loss then takes its own one-element all-reduce, counted under the
+  stats scope ``loss``.
+* ``allreduce-adamw`` (the original job): one flat bucket of every gradient
+  plus the loss in the last element is all-reduced with ``ReduceOp.AVG``,
+  clipped, then a :class:`torch.optim.AdamW` step.
+* ``ddp-powersgd-adamw`` / ``ddp-sparse-adamw``: the model runs under torch's
+  DDP with PowerSGD's or sparsecomm's sparse comm hook
+  (:mod:`optim.apps.train_job.ddp`), which averages the gradients during the
+  backward pass; then the loss's one-element all-reduce, the clip and a
+  :class:`torch.optim.AdamW` step. Their ``comm_time_s`` is ``None``: the
+  hook's communication runs inside the backward pass.
+
+Every step record carries the wire bytes of that step split by operation
+(deltas of ``CommStats.as_dict()``); evaluation and the start-up check are
+counted under the scopes ``eval`` and ``init``, outside the step window.
+
+Entry points:
+
+* :func:`train_worker` runs the loop in one rank of an initialised group.
+* :func:`launch_local` spawns ``nproc`` local processes and returns rank 0's result.
+* :func:`run_training` runs as one rank when started by torchrun / mpirun /
+  srun, otherwise calls :func:`launch_local`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+import sparsecomm.distributed as dist
+from bindings.launch import detect_launch
+from bindings.spawn import run_local
+from bindings.stats import op_delta
+from optim.apps.train_job.ddp import close_hook, count_torch_collectives, register_hook
+from optim.apps.train_job.job_config import DDP_HOOKS, TORCH_ADAMW, TrainConfig, build_optimizer, lr_at
+from optim.apps.train_job.tasks import Task, make_task
+from optim.optimizers.capabilities import AveragingOptimizer, capabilities
+
+__all__ = [
+    "OnStep",
+    "Worker",
+    "wire_bytes_summary",
+    "train_worker",
+    "launch_local",
+    "run_training",
+]
+
+logger = logging.getLogger(__name__)
+
+OnStep = Callable[[dict[str, Any]], None]
+"""Per-step callback; receives the step record (plus ``val_loss`` on evaluation steps)."""
+Worker = Callable[["TrainConfig", int, int, "OnStep | None"], dict[str, Any]]
+"""Signature of :func:`train_worker` (``config, rank, world_size, on_step``)."""
+
+
+def _check_identical_init(model: torch.nn.Module) -> None:
+    """Raise on every rank unless all ranks hold rank 0's parameters bit for bit."""
+    with torch.no_grad():
+        mine = torch.nn.utils.parameters_to_vector(model.parameters())
+        ref = mine.clone()
+        with dist.get_communicator().stats.scope("init"):
+            dist.broadcast(ref, src=0)
+            differ = torch.tensor([0.0 if torch.equal(ref, mine) else 1.0])
+            dist.all_reduce(differ, op=dist.ReduceOp.MAX)
+    if differ.item():
+        raise RuntimeError("model initialisation differs between ranks")
+
+
+def _evaluate(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, task: Task, config: TrainConfig, rank: int
+) -> float:
+    """Return the rank-averaged loss on this rank's fixed validation batches.
+
+    Collective. Under an optimizer whose replicas drift (:class:`optim.LocalAdamS`,
+    :class:`optim.LocalOptimizer`, the outer loops) the average of the replicas is
+    evaluated (``optimizer.averaged()``, counted under ``average``).
+    """
+    total = 0.0
+    averaged: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    if capabilities(optimizer).replicas_drift:
+        averaged = cast(AveragingOptimizer, optimizer).averaged()
+    with averaged, torch.no_grad():
+        model.eval()
+        for i in range(config.eval_batches):
+            x, y = task.val_batch(i, rank)
+            _, loss = model(x, y)
+            assert loss is not None
+            total += loss.item()
+        model.train()
+    val = torch.tensor([total / config.eval_batches])
+    with dist.get_communicator().stats.scope("eval"):
+        dist.all_reduce(val, op=dist.ReduceOp.AVG)
+    return float(val.item())
+
+
+def train_step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, task: Task, config: TrainConfig, step: int, rank: int
+) -> torch.Tensor:
+    """Forward and backward of ``step`` on this rank's batch, with the step's learning rate set; return the loss.
+
+    The batch is a function of ``(seed, step, rank)``, so a step run again sees the same data.
+    """
+    lr = lr_at(config, step)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    x, y = task.train_batch(step, rank)
+    optimizer.zero_grad(set_to_none=True)
+    _, loss = model(x, y)
+    assert loss is not None
+    loss.backward()
+    return loss
+
+
+def train_worker(config: TrainConfig, rank: int, world_size: int, on_step: OnStep | None = None) -> dict[str, Any]:
+    """Run the training loop as one rank of an initialised default group.
+
+    Collective: every rank of the group must call this with the same config.
+
+    Args:
+        config: The run.
+        rank: This rank (must equal ``sparsecomm.distributed.get_rank()``).
+        world_size: Ranks in the group.
+        on_step: Called after every step with the step record.
+
+    Returns:
+        ``steps`` (per-step records: ``step``, ``lr``, ``train_loss``,
+        ``grad_norm`` (global norm of the synchronized gradient before
+        clipping; ``None`` when a sharded optimizer does not clip),
+        ``step_time_s``, ``comm_time_s`` (the bucket all-reduce, or the whole
+        ``optimizer.step()`` of a sharded optimizer: its collectives plus the
+        shard update), ``bytes_sent``, ``bytes_received``,
+        ``bytes_sent_by_op`` (this rank's sent bytes per stats op name, the
+        ``loss`` all-reduce included), and ``sparse`` for SCAPE),
+        ``evals`` (``step``, ``val_loss``), ``model``, ``num_parameters``,
+        ``optimizer`` (:meth:`TrainConfig.optimizer_config`), ``bucket_bytes``
+        (the flat fp32 gradient buffer), ``corpus``, ``comm_stats`` and
+        ``train_time_s``.
+
+    Raises:
+        RuntimeError: The ranks disagree on the model or the loss is not finite.
+    """
+    if dist.get_rank() != rank or dist.get_world_size() != world_size:
+        raise RuntimeError(
+            f"rank/world_size {rank}/{world_size} differ from the process group's "
+            f"{dist.get_rank()}/{dist.get_world_size()}"
+        )
+    torch.set_num_threads(config.threads)
+    task = make_task(config.task_spec())
+    about = task.describe()
+    torch.manual_seed(config.seed)
+    model = task.build_model()
+    _check_identical_init(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    numel = sum(p.numel() for p in params)
+    comm = dist.get_communicator()
+    stats = comm.stats
+    with stats.scope("init"):
+        optimizer = build_optimizer(config, model)
+    sharded = config.optimizer not in TORCH_ADAMW
+    hook = DDP_HOOKS.get(config.optimizer)
+    bucketed = config.optimizer == "allreduce-adamw"
+    bucket = torch.zeros(numel + 1 if bucketed else 0, dtype=torch.float32)  # grads, then the loss
+    loss_buf = torch.zeros(1, dtype=torch.float32)
+    net: torch.nn.Module = model
+    hook_state: Any = None
+    hook_stats = None
+    start_iter = 0  # dense steps before a DDP hook compresses
+    counting: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
+    if hook is not None:
+        ddp = DistributedDataParallel(model)
+        start_iter = config.sparse_kwargs()["start_iter"]
+        hook_state, hook_stats = register_hook(
+            ddp,
+            hook,
+            density=config.density,
+            powersgd_rank=config.powersgd_rank,
+            start_iter=start_iter,
+            seed=config.seed,
+        )
+        if hook != "sparse":  # torch's hooks call torch.distributed directly: count them in the backward pass
+            stats_of_hook = hook_stats
+            counting = lambda: count_torch_collectives(stats_of_hook, world_size)  # noqa: E731
+        net = ddp
+    records: list[dict[str, Any]] = []
+    evals = [{"step": 0, "val_loss": _evaluate(model, optimizer, task, config, rank)}]
+    logger.info("rank %d: %d parameters, %s, optimizer %s", rank, numel, about["corpus"]["name"], config.optimizer)
+    t_train = time.perf_counter()
+    try:
+        for step in range(1, config.steps + 1):
+            ops0 = stats.as_dict()
+            hook0 = hook_stats.as_dict() if hook_stats is not None else {}
+            t0 = time.perf_counter()
+            with counting():
+                loss = train_step(net, optimizer, task, config, step, rank)
+            lr = optimizer.param_groups[0]["lr"]
+            comm_time: float | None
+            if sharded:
+                train_loss = _average_loss(loss_buf, loss, step)
+                t_comm = time.perf_counter()
+                optimizer.step()
+                comm_time = time.perf_counter() - t_comm
+                last = getattr(optimizer, "last_grad_norm", None)
+                grad_norm = None if last is None else float(last)
+            elif hook is not None:  # DDP's hook averaged the gradients during the backward pass
+                train_loss = _average_loss(loss_buf, loss, step)
+                grad_norm, comm_time = _clip_and_step(config, params, optimizer), None
+            else:
+                train_loss, grad_norm, comm_time = _allreduce_step(config, params, bucket, loss, optimizer)
+            ops = op_delta(ops0, stats.as_dict())
+            if hook_stats is not None:
+                for op, d in op_delta(hook0, hook_stats.as_dict()).items():
+                    ops[op] = {k: v + ops.get(op, {}).get(k, 0) for k, v in d.items()}
+            record = {
+                "step": step,
+                "lr": lr,
+                "train_loss": train_loss,
+                "grad_norm": grad_norm,
+                "step_time_s": time.perf_counter() - t0,
+                "comm_time_s": comm_time,
+                "bytes_sent": sum(d["bytes_sent"] for d in ops.values()),
+                "bytes_received": sum(d["bytes_received"] for d in ops.values()),
+                "bytes_sent_by_op": {op: d["bytes_sent"] for op, d in ops.items()},
+            }
+            sparse = _sparse_step(optimizer, step)
+            if sparse is not None:
+                record["sparse"] = sparse
+            elif hook is not None:
+                record["sparse"] = step > start_iter
+            records.append(record)
+            event = dict(record)
+            if step == config.steps or (config.eval_interval and step % config.eval_interval == 0):
+                evals.append({"step": step, "val_loss": _evaluate(model, optimizer, task, config, rank)})
+                event["val_loss"] = evals[-1]["val_loss"]
+            if on_step is not None:
+                on_step(event)
+        if capabilities(optimizer).replicas_drift:
+            cast(AveragingOptimizer, optimizer).average_params()  # every rank ends with the same model
+    finally:
+        close = getattr(optimizer, "close", None)
+        if close is not None:
+            close()  # finish the mask gathers or the averaging in flight before the group goes
+        close_hook(hook_state)
+    train_time = time.perf_counter() - t_train
+    if sharded:
+        bucket_bytes = optimizer.bucket.numel * 4  # type: ignore[attr-defined]
+    elif bucketed:
+        bucket_bytes = bucket.numel() * bucket.element_size()
+    else:
+        bucket_bytes = numel * 4  # the dense fp32 gradient the hook compresses
+    return {
+        "steps": records,
+        "evals": evals,
+        "model": about["model"],
+        "task": {"task": about["task"], "arch": about["arch"]},
+        "num_parameters": numel,
+        "optimizer": config.optimizer_config(),
+        "bucket_bytes": bucket_bytes,
+        "corpus": about["corpus"],
+        "comm_stats": stats.as_dict(),
+        "train_time_s": train_time,
+    }
+
+
+def _sparse_step(optimizer: torch.optim.Optimizer, step: int) -> bool | None:
+    """Whether ``step`` of ``optimizer`` was sparse: SCAPE's mask of the step, or past the dense warm-up
+    of an optimizer that has one; ``None`` for one that is always dense."""
+    if hasattr(optimizer, "last_mask"):
+        return optimizer.last_mask is not None
+    warmup = getattr(optimizer, "warmup_steps", None)
+    return None if warmup is None else step > warmup
+
+
+def _allreduce_step(
+    config: TrainConfig,
+    params: list[torch.nn.Parameter],
+    bucket: torch.Tensor,
+    loss: torch.Tensor,
+    optimizer: torch.optim.Optimizer,
+) -> tuple[float, float, float]:
+    """The ``allreduce-adamw`` step: all-reduce grads + loss, clip, step; return (loss, norm, comm time)."""
+    numel = bucket.numel() - 1
+    offset = 0
+    for p in params:
+        n = p.numel()
+        bucket[offset : offset + n].copy_(p.grad.reshape(-1))  # type: ignore[union-attr]
+        offset += n
+    bucket[numel] = loss.detach()
+    t_comm = time.perf_counter()
+    dist.all_reduce(bucket, op=dist.ReduceOp.AVG)
+    comm_time = time.perf_counter() - t_comm
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad.copy_(bucket[offset : offset + n].view_as(p))  # type: ignore[union-attr]
+        offset += n
+    train_loss = float(bucket[numel].item())
+    if not math.isfinite(train_loss):
+        raise RuntimeError(f"training loss is {train_loss}")
+    return train_loss, _clip_and_step(config, params, optimizer), comm_time
+
+
+def _average_loss(loss_buf: torch.Tensor, loss: torch.Tensor, step: int) -> float:
+    """The ranks' mean training loss of ``step`` (its own one-element all-reduce, stats scope ``loss``)."""
+    loss_buf[0] = loss.detach()
+    with dist.get_communicator().stats.scope("loss"):
+        dist.all_reduce(loss_buf, op=dist.ReduceOp.AVG)
+    train_loss = float(loss_buf.item())
+    if not math.isfinite(train_loss):
+        raise RuntimeError(f"step {step}: training loss is {train_loss}")
+    return train_loss
+
+
+def _clip_and_step(config: TrainConfig, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> float:
+    """Clip the synchronized gradients' global norm (``grad_clip``; 0: only measure it), step; return the norm."""
+    if config.grad_clip > 0:
+        norm = float(torch.nn.utils.clip_grad_norm_(params, config.grad_clip))
+    else:
+        norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None])))
+    optimizer.step()
+    return norm
+
+
+def wire_bytes_summary(steps: list[dict[str, Any]], bucket_bytes: int) -> dict[str, Any]:
+    """Summarise the per-step wire bytes of rank 0: total, per step, and split by stats op.
+
+    Args:
+        steps: Step records of :func:`train_worker`.
+        bucket_bytes: Size of the flat fp32 gradient buffer.
+
+    Returns:
+        ``per_step`` / ``total`` (every op of the step), ``optimizer_per_step``
+        (without the ``loss`` all-reduce), ``by_op`` (``{op: {"per_step",
+        "total"}}``), ``total_received``, ``bucket_bytes`` and a note.
+    """
+    n = max(1, len(steps))
+    sent = [s["bytes_sent"] for s in steps]
+    totals: dict[str, int] = {}
+    for s in steps:
+        for op, b in s.get("bytes_sent_by_op", {}).items():
+            totals[op] = totals.get(op, 0) + b
+    loss_total = totals.get("loss", 0)
+    return {
+        "per_step": sum(sent) / n,
+        "optimizer_per_step": (sum(sent) - loss_total) / n,
+        "total": sum(sent),
+        "total_received": sum(s["bytes_received"] for s in steps),
+        "by_op": {op: {"per_step": t / n, "total": t} for op, t in sorted(totals.items())},
+        "bucket_bytes": bucket_bytes,
+        "note": "bytes rank 0 sent in training steps (ring convention, bindings.stats); "
+        "optimizer_per_step leaves out the 'loss' all-reduce",
+    }
+
+
+def _rank_main(
+    rank: int, world_size: int, worker: Worker, config: TrainConfig, on_step: OnStep | None
+) -> dict[str, Any] | None:
+    """Body of one spawned rank: join the group from the launcher's environment, train."""
+    torch.set_num_threads(config.threads)
+    dist.init_process_group(config.backend, timeout=timedelta(seconds=config.comm_timeout_s))
+    try:
+        out = worker(config, rank, world_size, on_step if rank == 0 else None)
+    finally:
+        dist.destroy_process_group()
+    return out if rank == 0 else None
+
+
+def launch_local(
+    config: TrainConfig, *, on_step: OnStep | None = None, worker: Worker = train_worker
+) -> dict[str, Any]:
+    """Run ``worker`` in ``config.nproc`` spawned local processes over gloo.
+
+    The whole job has the deadline ``config.job_timeout_s``; when a rank
+    fails or dies, the others are killed (:func:`bindings.spawn.run_local`).
+
+    Args:
+        config: The run.
+        on_step: Passed to rank 0's worker; must be picklable.
+        worker: Module-level function with :func:`train_worker`'s signature.
+
+    Returns:
+        Rank 0's result.
+
+    Raises:
+        LocalRunError: A rank raised (its traceback is in the message), died,
+            or the job ran past its deadline.
+        ValueError: ``config.backend`` is ``mpi`` (start it with mpirun instead).
+    """
+    if config.backend == "mpi":
+        raise ValueError(
+            f"backend 'mpi' cannot be spawned locally; run 'mpirun -n {config.nproc} sparsecomm train --backend mpi'"
+        )
+    results = run_local(_rank_main, config.nproc, worker, config, on_step, timeout=config.job_timeout_s)
+    return results[0]
+
+
+def run_training(config: TrainConfig, *, on_step: OnStep | None = None) -> dict[str, Any] | None:
+    """Train as the launched rank, or spawn ``config.nproc`` local ranks.
+
+    Started by torchrun / mpirun / srun, this process runs as its rank (and
+    ``config.nproc`` is ignored); otherwise :func:`launch_local` spawns the ranks.
+
+    Args:
+        config: The run.
+        on_step: Rank 0's per-step callback (picklable when spawning).
+
+    Returns:
+        On rank 0, :func:`train_worker`'s result plus ``world_size``,
+        ``launcher`` (``local`` or the launcher's name) and ``wall_time_s``
+        (start to last result); ``None`` on the other ranks.
+    """
+    t0 = time.perf_counter()
+    info = detect_launch()
+    if info is None:
+        if config.data is not None and not Path(config.data).is_file():
+            raise FileNotFoundError(f"data file not found: {config.data}")
+        result = launch_local(config, on_step=on_step)
+        world_size, launcher = config.nproc, "local"
+    else:
+        if info.world_size != config.nproc:
+            logger.info("launched by %s with %d ranks; nproc=%d ignored", info.launcher, info.world_size, config.nproc)
+        dist.init_process_group(config.backend, timeout=timedelta(seconds=config.comm_timeout_s))
+        try:
+            result = train_worker(
+                config, dist.get_rank(), dist.get_world_size(), on_step if dist.get_rank() == 0 else None
+            )
+            rank, world_size = dist.get_rank(), dist.get_world_size()
+        finally:
+            dist.destroy_process_group()
+        if rank != 0:
+            return None
+        launcher = info.launcher
+    return {**result, "world_size": world_size, "launcher": launcher, "wall_time_s": time.perf_counter() - t0}

@@ -1,1 +1,0 @@
-"""The ``sparsecomm`` command line (entry point: :func:`optim.cli.main.main`)."""

@@ -1,0 +1,245 @@
+"""A plain ``torch.optim`` optimizer wrapped so that every rank steps its own replica (:class:`WrappingOptimizer`).
+
+The base of :class:`optim.LocalOptimizer`, :class:`optim.DiLoCo` and
+:class:`optim.SparseLoCo`: it checks what it wraps (before any communication
+but one small agreement, the same on every rank), makes the parameters views
+of one flat fp32 buffer (the replica, which the subclass averages or moves in
+place), hands ``param_groups``, ``state`` and ``defaults`` through to the
+wrapped optimizer (an LR scheduler built over the wrapper drives it), and runs
+the inner step: the gradients averaged in the warm-up (one dense all_reduce),
+clipped if asked, then the wrapped optimizer's step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+import sparsecomm.distributed as dist
+from bindings import ReduceOp
+from bindings.validate import check_float
+from optim.optimizers.buckets import FlatBucket
+from optim.optimizers.capabilities import OptimizerCapabilities, StateLayout, capabilities
+from optim.optimizers.sharded import agree
+
+__all__ = ["WrappingOptimizer", "average_grads", "check_inner"]
+
+logger = logging.getLogger(__name__)
+
+_WRAPPED: weakref.WeakSet[Optimizer] = weakref.WeakSet()
+"""The optimizers a :class:`WrappingOptimizer` wraps: a second wrapper of one is refused."""
+
+
+def check_inner(optimizer: object, model: object) -> None:
+    """Refuse what cannot be wrapped (local checks, the same on every rank).
+
+    Raises:
+        TypeError: Not a torch optimizer, one that synchronizes the ranks itself, or not a module.
+        ValueError: Wrapped already, or its parameters are not the model's trainable ones.
+    """
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if capabilities(optimizer).synchronizes:
+        raise TypeError(
+            f"optimizer: {type(optimizer).__name__} synchronizes the ranks itself; wrap a plain torch.optim "
+            "optimizer (e.g. torch.optim.AdamW) that steps this rank's replica alone"
+        )
+    if optimizer in _WRAPPED:
+        raise ValueError("optimizer: it is already wrapped; wrap each optimizer once")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    mine = [p for g in optimizer.param_groups for p in g["params"]]
+    names = {id(p): n for n, p in model.named_parameters()}
+    foreign = [i for i, p in enumerate(mine) if id(p) not in names]
+    if foreign:
+        raise ValueError(
+            f"optimizer: {len(foreign)} of its parameters (first: position {foreign[0]}) are not the model's; "
+            "build the optimizer over model.parameters()"
+        )
+    held = {id(p) for p in mine}
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
+    if missing:
+        raise ValueError(
+            f"model: {len(missing)} trainable parameters are not the optimizer's (first: {missing[0]}); "
+            "their replicas would drift apart unaveraged: give them to the optimizer or freeze them"
+        )
+
+
+def average_grads(comm: Any, bucket: FlatBucket, buf: Tensor) -> None:
+    """Replace every parameter's gradient by the ranks' average (one dense all_reduce of ``buf``, padded flat fp32).
+
+    Collective: every rank must call this. A parameter without a gradient
+    counts as zeros and gets the average too, so every replica takes the same step.
+    """
+    missing = set(bucket.gather_grads(buf))
+    comm.all_reduce(buf, ReduceOp.AVG)
+    for i, (p, off) in enumerate(zip(bucket.params, bucket.offsets, strict=True)):
+        avg = buf[off : off + p.numel()].view(p.shape)
+        if i in missing:
+            p.grad = avg.clone()  # another rank had one: every replica takes the same step
+        else:
+            p.grad.copy_(avg)  # type: ignore[union-attr]
+
+
+class _Wrapped:
+    """An attribute of the wrapped optimizer, read and written through the wrapper.
+
+    ``Optimizer.__init__`` sets it before the wrapped optimizer is attached: kept on the wrapper until then.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        inner = obj.__dict__.get("optimizer")
+        return getattr(inner, self.name) if inner is not None else obj.__dict__["_" + self.name]
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        inner = obj.__dict__.get("optimizer")
+        if inner is None:
+            obj.__dict__["_" + self.name] = value
+        else:
+            setattr(inner, self.name, value)
+
+
+class WrappingOptimizer(Optimizer):
+    """Wrap ``optimizer`` so that every rank steps its own replica of ``model`` (a base class).
+
+    Subclasses check and resolve their own settings in :meth:`_check_settings`
+    (called with the bucket made; it returns the settings as the ranks must
+    agree on them), make their buffers in :meth:`_make_buffers`, and build
+    ``step`` from :meth:`_run_closure`, :meth:`_check_replica` and :meth:`_inner_step`.
+
+    Args:
+        optimizer: A ``torch.optim`` optimizer over ``model``'s trainable
+            parameters (fp32, one device), not one of ours.
+        model: The model it trains, the same on every rank.
+        max_grad_norm: Clip the gradient the wrapped optimizer sees (the
+            averaged one in the warm-up, this rank's own after it) to this
+            global norm; 0: no clipping.
+        group: The process group (``None``: the default group of :mod:`sparsecomm.distributed`).
+
+    Raises:
+        TypeError: ``optimizer`` is not a plain torch optimizer, or ``model`` not a module.
+        ValueError: A bad setting, an optimizer wrapped twice, parameters that
+            are not the model's trainable ones or not fp32, or settings or models
+            that differ between ranks (the same on every rank).
+    """
+
+    capabilities = OptimizerCapabilities(layout=StateLayout.REPLICATED, replicas_drift=True, own_snapshots=False)
+    """Each rank holds its own replica between averagings; snapshots are the ``state_dict()`` and the parameters."""
+
+    def __init__(self, optimizer: Optimizer, model: torch.nn.Module, *, max_grad_norm: float, group: Any) -> None:
+        self._comm = dist.get_communicator(group)
+        name = type(self).__name__
+        error: ValueError | TypeError | None = None
+        fp = 0
+        try:
+            check_inner(optimizer, model)
+            self.max_grad_norm = check_float("max_grad_norm", max_grad_norm, low=0.0)
+            groups = [{"params": g["params"], "wd_min_ndim": 0} for g in optimizer.param_groups]
+            self._bucket = FlatBucket(groups, self._comm.rank, self._comm.world_size)
+            if self._bucket.dtype != torch.float32:
+                raise ValueError(f"params: {name} steps fp32 parameters, got {self._bucket.dtype}")
+            settings = self._check_settings(optimizer)
+            fp = self._bucket.fingerprint(f"{name}|{type(optimizer).__qualname__}|{self.max_grad_norm}|{settings}")
+        except (ValueError, TypeError) as exc:
+            error = exc
+        agree(self._comm, fp, error)
+        super().__init__([{"params": list(g["params"])} for g in optimizer.param_groups], {})
+        self.optimizer = optimizer
+        """The wrapped optimizer: it steps this rank's replica."""
+        _WRAPPED.add(optimizer)
+        self.model = model
+        self.last_grad_norm: float | None = None
+        """The global norm of the gradient the wrapped optimizer saw at the last step (``max_grad_norm`` set)."""
+        b = self._bucket
+        self._flat = b.new_flat()
+        b.bind_params(self._flat)  # the parameters are views of the replica: the subclass writes them in place
+        self._grad = b.new_flat()
+        self._step = 0
+        self._make_buffers()
+
+    # ------------------------------------------------------------------ for subclasses
+    def _check_settings(self, optimizer: Optimizer) -> str:
+        """Check and resolve the subclass's settings (raise ``ValueError``); return them as the ranks must agree."""
+        return ""
+
+    def _make_buffers(self) -> None:
+        """Make the subclass's buffers (the bucket, the replica and the step exist)."""
+
+    def _average_replicas(self) -> None:
+        """Write the average of the replicas into the replica buffer (collective)."""
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def averaged(self) -> Iterator[None]:
+        """Inside the block the parameters hold the average of the replicas; after it, this rank's own again.
+
+        Collective: every rank must enter it (:meth:`_average_replicas`). Do not step inside the block.
+        """
+        with torch.no_grad():
+            own = self._flat.clone()
+            self._average_replicas()
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                self._flat.copy_(own)
+
+    # ------------------------------------------------------------------ torch.optim surface
+    # param_groups, state and defaults are the wrapped optimizer's, also after its load_state_dict replaced them
+    param_groups = _Wrapped("param_groups")  # type: ignore[assignment]
+    state = _Wrapped("state")  # type: ignore[assignment]
+    defaults = _Wrapped("defaults")  # type: ignore[assignment]
+
+    @property
+    def bucket(self) -> FlatBucket:
+        """The flat layout of the parameters."""
+        return self._bucket
+
+    @property
+    def communicator(self) -> Any:
+        return self._comm
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if hasattr(self, "optimizer"):
+            raise RuntimeError(f"{type(self).__name__}: param groups cannot be added after construction")
+        super().add_param_group(param_group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    @staticmethod
+    def _run_closure(closure: Callable[[], Any] | None) -> Any:
+        """Run ``closure`` with grad enabled and return its loss (``None`` without one)."""
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
+    def _check_replica(self) -> None:
+        """Check the parameters and re-bind those whose storage was replaced (their values kept)."""
+        b = self._bucket
+        b.check_params()
+        if b.rebind(self._flat):
+            logger.info("%s: the storage of parameters was replaced; re-bound with their values", type(self).__name__)
+
+    def _inner_step(self, warm: bool) -> None:
+        """The wrapped optimizer's step: on the averaged gradient if ``warm`` (collective then), clipped if asked."""
+        b = self._bucket
+        if warm and b.world_size > 1:
+            average_grads(self._comm, b, self._grad)
+        if self.max_grad_norm > 0:
+            params = [p for p in b.params if p.grad is not None]
+            self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm))
+        self.optimizer.step()
