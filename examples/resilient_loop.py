@@ -91,7 +91,7 @@ def main() -> int:
             "losses": {str(k): v for k, v in sorted(ft.losses.items())},
             "params_sha256": digest.hexdigest(),
             "world_size": world_size,
-            "recoveries": ft.recoveries,
+            "recoveries": [r.to_json() for r in ft.recoveries],
         }
         args.out.write_text(json.dumps(report, indent=1) + "\n")
     return 0

@@ -8,5 +8,14 @@ restores is :mod:`optim.state`'s.
 from __future__ import annotations
 
 from optim.resilient.loop import BadStepsError, ResilientConfig, ResilientTraining, Stateful, UnrecoverableStateError
+from optim.resilient.loop_recovery import RecoveryPhases, RecoveryRecord
 
-__all__ = ["BadStepsError", "ResilientConfig", "ResilientTraining", "Stateful", "UnrecoverableStateError"]
+__all__ = [
+    "BadStepsError",
+    "RecoveryPhases",
+    "RecoveryRecord",
+    "ResilientConfig",
+    "ResilientTraining",
+    "Stateful",
+    "UnrecoverableStateError",
+]

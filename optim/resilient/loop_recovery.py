@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -33,9 +34,72 @@ from optim.state.restore import SlotSnapshots
 from optim.state.snapshot import UnrecoverableStateError
 from resilient_comm import FaultAwareCommunicator, Reconfiguration, StaleEpochError
 
-__all__ = ["RecoverableRun"]
+__all__ = ["RecoverableRun", "RecoveryPhases", "RecoveryRecord"]
 
 logger = logging.getLogger(__name__)
+
+
+class _Laps:
+    """A stopwatch: :meth:`lap` is the time since the previous lap (or the start), :meth:`total` since the start."""
+
+    def __init__(self) -> None:
+        self._start = self._last = time.monotonic()
+
+    def lap(self) -> float:
+        now = time.monotonic()
+        took, self._last = now - self._last, now
+        return took
+
+    def total(self) -> float:
+        return time.monotonic() - self._start
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecoveryPhases:
+    """How long each phase of one recovery took, in seconds; each is its own duration, in this order.
+
+    Attributes:
+        stop_replication_s: Stopping the replication of the failed epoch.
+        agree_s: Agreeing on the step to restore (or finding the newest complete checkpoint).
+        transfer_s: Moving the lost slots' copies to their new holders (zero where nothing moves).
+        restore_s: Loading the state into the model and optimizer.
+        replication_s: Snapshotting the restored state and replicating it to the buddies.
+    """
+
+    stop_replication_s: float
+    agree_s: float
+    transfer_s: float
+    restore_s: float
+    replication_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecoveryRecord:
+    """One recovery of a :class:`~optim.resilient.ResilientTraining` process.
+
+    Attributes:
+        restore_step: The step restored (``0``: the initial state; ``-1``: none, snapshots off).
+        recover_s: The whole recovery, the sum of :attr:`phases`.
+        steps_recomputed: Committed steps after ``restore_step`` that run again.
+        from_disk: Whether the state came from a persistent checkpoint.
+        epoch: The epoch the recovery ran in.
+        world_size: That epoch's world size.
+        rank: This process's rank in it.
+        phases: The phases' durations.
+    """
+
+    restore_step: int
+    recover_s: float
+    steps_recomputed: int
+    from_disk: bool
+    epoch: int
+    world_size: int
+    rank: int
+    phases: RecoveryPhases
+
+    def to_json(self) -> dict[str, Any]:
+        """The record as JSON-ready fields (the ``restored`` event's, a result file's)."""
+        return asdict(self)
 
 
 class RecoverableRun:
@@ -109,7 +173,8 @@ class RecoverableRun:
         self.skipped: list[int] = []
         """Steps skipped because a loss or gradient was not finite (committed, with no optimizer step)."""
         self._bad_run = 0  # skipped steps in a row, up to the newest committed one
-        self.recoveries: list[dict[str, Any]] = []
+        self.recoveries: list[RecoveryRecord] = []
+        """One record per recovery of this process, oldest first."""
 
     def _event(self, name: str, **fields: Any) -> None:
         logger.debug("%s %s", name, fields)
@@ -251,13 +316,12 @@ class RecoverableRun:
 
     def _recover(self, change: Reconfiguration | None) -> int:
         """Agree on the restore step, move lost snapshots, restore. Returns the next step. Collective."""
-        t0 = time.time()
-        phases: dict[str, float] = {}
+        laps = _Laps()
         self._snaps.stop()
         self._stragglers.reset()
         if self._store is not None:
             self._store.forget()  # the first checkpoint after a recovery is full: it builds on no older file
-        phases["stop_replication_s"] = time.time() - t0
+        stop_replication_s = laps.lap()
         last = max(self.losses) if self.losses else 0
         shrunk = change is not None and len(change.lost_slots) > len(change.promoted)
         try:
@@ -273,22 +337,23 @@ class RecoverableRun:
             restore_step, disk = plan.step, False
             if restore_step == 0 and self.config.resume:  # a failure before the resumed run's first snapshot:
                 restore_step, disk = self._load_checkpoint(), True  # its initial state is the checkpoint
-        phases["agree_s"] = time.time() - t0
+        agree_s = laps.lap()
+        transfer_s = 0.0
         recomputed = max(0, last - restore_step) if restore_step >= 0 else last
         if disk:
-            phases["transfer_s"] = time.time() - t0
+            transfer_s = laps.lap()
         elif shrunk and restore_step > 0:
             self._build()  # every member, a promoted spare too: the kind of optimizer picks the way
             opt = self._opt
             if capabilities(opt).layout is not StateLayout.SHARDED:
                 # every survivor holds a whole replica: it goes on from its own (the lost ones' drift is dropped)
                 own = self._snaps.own_tree(restore_step)
-                phases["transfer_s"] = time.time() - t0
+                transfer_s = laps.lap()
                 self._restore_replica(own)
             else:
                 held = self._snaps.held_trees(restore_step, old_slot, plan)
                 full = gather_full_state(opt, held, plan.old_world)
-                phases["transfer_s"] = time.time() - t0
+                transfer_s = laps.lap()
                 restore_resharded(opt, restore_step, full)
                 if old_slot >= 0:
                     self._load_common(held[0][1])
@@ -296,29 +361,35 @@ class RecoverableRun:
             tree: dict[str, Any] | None = None
             if restore_step > 0:  # 0: the initial state, rebuilt from the seed (no snapshot needed)
                 tree = self._snaps.fetch(restore_step, old_slot, plan)
-            phases["transfer_s"] = time.time() - t0
+            transfer_s = laps.lap()
             self._restore(tree)
         for p in self.model.parameters():
             p.grad = None  # a failed step's gradients must not reach the step run again
-        phases["restore_s"] = time.time() - t0
+        restore_s = laps.lap()
         self._snaps.clear()
         self._snaps.put(max(restore_step, 0), self._tree(max(restore_step, 0)))
         self._snaps.start_replication(max(restore_step, 0), ts.snapshot_headroom(self._opt, self._total))
         # every slot is protected again before the next step: the restored state is on its buddy
         self._snaps.drain()
-        phases["replication_s"] = time.time() - t0
+        replication_s = laps.lap()
         for s in [s for s in self.losses if s > restore_step]:
             del self.losses[s]
-        rec = {
-            "restore_step": restore_step,
-            "recover_s": time.time() - t0,
-            "steps_recomputed": recomputed,
-            "from_disk": disk,
-            "epoch": self.comm.epoch,
-            "world_size": self.comm.world_size,
-            "rank": self.comm.rank,
-            "phases_s": phases,
-        }
+        rec = RecoveryRecord(
+            restore_step=restore_step,
+            recover_s=laps.total(),
+            steps_recomputed=recomputed,
+            from_disk=disk,
+            epoch=self.comm.epoch,
+            world_size=self.comm.world_size,
+            rank=self.comm.rank,
+            phases=RecoveryPhases(
+                stop_replication_s=stop_replication_s,
+                agree_s=agree_s,
+                transfer_s=transfer_s,
+                restore_s=restore_s,
+                replication_s=replication_s,
+            ),
+        )
         self.recoveries.append(rec)
-        self._event("restored", **rec)
+        self._event("restored", **rec.to_json())
         return max(restore_step, 0) + 1  # no snapshot (-1): start again at step 1, as the first epoch did

@@ -24,7 +24,7 @@ import sparsecomm.distributed as dist
 from optim.state.snapshot import Replicator, SnapshotRing, UnrecoverableStateError, decode_tree
 from resilient_comm import FaultAwareCommunicator, Reconfiguration
 
-__all__ = ["ROW_LEN", "RestorePlan", "SlotSnapshots", "plan_restore", "report_row"]
+__all__ = ["ROW_LEN", "ReportRow", "RestorePlan", "SlotSnapshots", "plan_restore"]
 
 #: Entries of one member's row: old slot, ward slot, two own versions, two ward versions (``-1``: none).
 ROW_LEN = 6
@@ -47,20 +47,53 @@ class RestorePlan:
     old_world: int = 0
 
 
-def report_row(old_slot: int, old_world: int, own: Sequence[int], ward: Sequence[int]) -> list[int]:
-    """One member's row for :func:`plan_restore` (``old_slot < 0``: a promoted spare, which holds nothing)."""
-    if old_slot < 0:
-        return [-1, -1, -1, -1, -1, -1]
-    row = [old_slot, (old_slot - 1) % old_world]
-    row += (list(own) + [-1, -1])[:2] + (list(ward) + [-1, -1])[:2]
-    return row
+@dataclass(frozen=True, kw_only=True)
+class ReportRow:
+    """What one member of a new epoch holds, as it reports it for :func:`plan_restore`.
+
+    Attributes:
+        slot: Its slot in the failed epoch (``-1``: a promoted spare, which holds nothing).
+        ward: The slot it guards as a buddy, the previous one (``-1`` for a spare).
+        own: The versions in its own ring, newest two at most.
+        warded: The versions in its ward's ring, newest two at most.
+    """
+
+    slot: int
+    ward: int
+    own: tuple[int, ...] = ()
+    warded: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, old_slot: int, old_world: int, own: Sequence[int], ward: Sequence[int]) -> ReportRow:
+        """The row of the member that held ``old_slot`` of ``old_world`` (``old_slot < 0``: a promoted spare)."""
+        if old_slot < 0:
+            return cls(slot=-1, ward=-1)
+        return cls(slot=old_slot, ward=(old_slot - 1) % old_world, own=tuple(own)[:2], warded=tuple(ward)[:2])
+
+    def to_ints(self) -> list[int]:
+        """The row on the wire: ``ROW_LEN`` integers, ``-1`` where a version is missing."""
+        return [self.slot, self.ward, *(list(self.own) + [-1, -1])[:2], *(list(self.warded) + [-1, -1])[:2]]
+
+    @classmethod
+    def from_ints(cls, ints: Sequence[int]) -> ReportRow:
+        """The row :meth:`to_ints` sent.
+
+        Raises:
+            ValueError: Not ``ROW_LEN`` integers.
+        """
+        if len(ints) != ROW_LEN:
+            raise ValueError(f"table: every row must have {ROW_LEN} entries, got {len(ints)}")
+        slot, ward, o1, o2, w1, w2 = (int(v) for v in ints)
+        return cls(
+            slot=slot, ward=ward, own=tuple(v for v in (o1, o2) if v >= 0), warded=tuple(v for v in (w1, w2) if v >= 0)
+        )
 
 
-def plan_restore(table: Sequence[Sequence[int]], old_world: int, snapshots: bool = True) -> RestorePlan:
+def plan_restore(table: Sequence[ReportRow], old_world: int, snapshots: bool = True) -> RestorePlan:
     """The newest step whose state every old slot still has, and who holds each lost slot's copy.
 
     Args:
-        table: One :func:`report_row` per member of the new epoch, in new-rank order.
+        table: One :class:`ReportRow` per member of the new epoch, in new-rank order.
         old_world: World size of the epoch that failed.
         snapshots: Whether snapshots are kept at all.
 
@@ -70,22 +103,20 @@ def plan_restore(table: Sequence[Sequence[int]], old_world: int, snapshots: bool
     """
     if old_world < 1:
         raise ValueError(f"old_world: must be >= 1, got {old_world}")
-    if any(len(row) != ROW_LEN for row in table):
-        raise ValueError(f"table: every row must have {ROW_LEN} entries")
     have: dict[int, set[int]] = {s: set() for s in range(old_world)}
     holders: dict[int, int] = {}
     # A slot's state is on its holder, unless the holder has none (a spare promoted by an epoch whose
     # recovery failed before it restored): then, as for a lost slot, the buddy's copy counts.
-    stateful = {r[0] for r in table if r[0] >= 0 and (r[2] >= 0 or r[3] >= 0)}
-    for new_rank, (slot, ward_slot, o1, o2, w1, w2) in enumerate(table):
-        if slot >= old_world or ward_slot >= old_world:
-            raise ValueError(f"table: slot {slot} or ward {ward_slot} outside {old_world} old slots")
-        if slot >= 0:
-            have[slot] |= {v for v in (o1, o2) if v >= 0}
-        if ward_slot >= 0 and ward_slot not in stateful:
-            have[ward_slot] |= {v for v in (w1, w2) if v >= 0}
-            holders[ward_slot] = new_rank
-    if any(0 in (r[2], r[3]) for r in table) or not any(have.values()):
+    stateful = {r.slot for r in table if r.slot >= 0 and r.own}
+    for new_rank, row in enumerate(table):
+        if row.slot >= old_world or row.ward >= old_world:
+            raise ValueError(f"table: slot {row.slot} or ward {row.ward} outside {old_world} old slots")
+        if row.slot >= 0:
+            have[row.slot] |= set(row.own)
+        if row.ward >= 0 and row.ward not in stateful:
+            have[row.ward] |= set(row.warded)
+            holders[row.ward] = new_rank
+    if any(0 in r.own for r in table) or not any(have.values()):
         # At most one step in (or not even the first snapshot taken): the initial state, version 0, is
         # rebuilt from the seed on every slot, also on one whose first snapshot never reached its buddy.
         for versions in have.values():
@@ -210,10 +241,10 @@ class SlotSnapshots:
             inverse = {new: old for old, new in change.rank_map.items()}
             old_slot = inverse.get(comm.rank, comm.rank)
         old_world = comm.world_size + len(change.lost_slots) - len(change.promoted) if change else comm.world_size
-        row = report_row(old_slot, old_world, self.own.versions(), self.ward.versions())
+        row = ReportRow.of(old_slot, old_world, self.own.versions(), self.ward.versions())
         rows = torch.empty(comm.world_size * ROW_LEN, dtype=torch.int64)
-        dist.all_gather_into_tensor(rows, torch.tensor(row, dtype=torch.int64))
-        table = rows.view(comm.world_size, ROW_LEN).tolist()
+        dist.all_gather_into_tensor(rows, torch.tensor(row.to_ints(), dtype=torch.int64))
+        table = [ReportRow.from_ints(r) for r in rows.view(comm.world_size, ROW_LEN).tolist()]
         return plan_restore(table, old_world, snapshots), old_slot
 
     def own_tree(self, step: int) -> dict[str, Any]:

@@ -12,7 +12,8 @@ import pytest
 
 from bindings.spawn import LocalRunError
 from bindings.stats import ring_bytes
-from optim.apps.cli.main import build_parser, build_report, write_report
+from optim.apps.cli.main import build_parser
+from optim.apps.cli.report import build_report, write_report
 from optim.apps.cli.options import model_settings
 from optim.apps.train_job.job_config import TrainConfig, lr_at
 from optim.apps.train_job.train import OnStep, launch_local, run_training
@@ -43,7 +44,7 @@ def test_train_job_end_to_end_allreduce_adamw(tmp_path: Path, monkeypatch: pytes
         monkeypatch.delenv(var, raising=False)  # spawn, even when pytest runs under a launcher
     config = TrainConfig(**TINY, optimizer="allreduce-adamw", out=str(tmp_path / "run"))
     result = run_training(config)
-    assert result is not None and result["launcher"] == "local"
+    assert result is not None and result.launcher == "local"
     report = build_report(config, result)
     json_path, png_path = write_report(report, config.out)
 

@@ -78,7 +78,7 @@ APPLICATIONS = ("optim.apps", "optim.testing")
 
 
 def test_optim_library_imports_no_application() -> None:
-    """The optimizers, the DeadPool state and the resilient loop stand without the job, benchmarks, CLI and harnesses."""
+    """The optimizers, the DeadPool state and the resilient loop stand without the apps and the harnesses."""
     bad = []
     for entry in LIBRARY:
         paths = [ROOT / entry] if entry.endswith(".py") else sorted((ROOT / entry).rglob("*.py"))

@@ -4,21 +4,23 @@ from __future__ import annotations
 
 import pytest
 
-from optim.state.restore import RestorePlan, plan_restore, report_row
+from optim.state.restore import ReportRow, RestorePlan, plan_restore
 from optim.state.snapshot import UnrecoverableStateError
 
 
 def _rows(world: int, own: dict[int, list[int]], ward: dict[int, list[int]], survivors: list[int]) -> list[list[int]]:
     """Rows of the survivors (old slots, in new-rank order), then one promoted spare per lost slot."""
-    rows = [report_row(s, world, own.get(s, []), ward.get(s, [])) for s in survivors]
-    rows += [report_row(-1, world, [], []) for _ in range(world - len(survivors))]
+    rows = [ReportRow.of(s, world, own.get(s, []), ward.get(s, [])) for s in survivors]
+    rows += [ReportRow.of(-1, world, [], []) for _ in range(world - len(survivors))]
     return rows
 
 
 def test_report_row_layout() -> None:
-    assert report_row(2, 4, [7, 8], [8]) == [2, 1, 7, 8, 8, -1]
-    assert report_row(0, 4, [], []) == [0, 3, -1, -1, -1, -1]
-    assert report_row(-1, 4, [5], [5]) == [-1] * 6
+    assert ReportRow.of(2, 4, [7, 8], [8]).to_ints() == [2, 1, 7, 8, 8, -1]
+    assert ReportRow.of(0, 4, [], []).to_ints() == [0, 3, -1, -1, -1, -1]
+    assert ReportRow.of(-1, 4, [5], [5]).to_ints() == [-1] * 6
+    for row in (ReportRow.of(2, 4, [7, 8], [8]), ReportRow.of(0, 4, [], []), ReportRow.of(-1, 4, [5], [5])):
+        assert ReportRow.from_ints(row.to_ints()) == row
 
 
 def test_nobody_lost_restores_the_newest_common_step() -> None:
@@ -59,15 +61,21 @@ def test_no_snapshots_restart_from_step_one() -> None:
 def test_a_promoted_spare_that_never_restored_counts_as_stateless() -> None:
     # new rank 1 holds old slot 1 but no versions (promoted by an epoch whose recovery failed):
     # slot 1's state comes from its buddy (old slot 2) as if it were lost
-    table = [report_row(0, 3, [4, 5], [4, 5]), [1, 0, -1, -1, -1, -1], report_row(2, 3, [4, 5], [4, 5])]
+    table = [ReportRow.of(0, 3, [4, 5], [4, 5]), ReportRow(slot=1, ward=0), ReportRow.of(2, 3, [4, 5], [4, 5])]
     plan = plan_restore(table, 3)
     assert plan.step == 5 and plan.holders == {1: 2}
 
 
+@pytest.mark.parametrize("ints", [[0, 0, 1, 2, 3], [0, 0, 1, 2, 3, 4, 5]])
+def test_rows_of_the_wrong_length_are_rejected(ints: list[int]) -> None:
+    with pytest.raises(ValueError):
+        ReportRow.from_ints(ints)
+
+
 @pytest.mark.parametrize(
     "table, world",
-    [([[0, 0, 1, 2, 3]], 1), ([[5, 4, 1, -1, -1, -1]], 2), ([[0, 0, 1, -1, -1, -1]], 0)],
+    [([ReportRow(slot=5, ward=4, own=(1,))], 2), ([ReportRow(slot=0, ward=0, own=(1,))], 0)],
 )
-def test_malformed_tables_are_rejected(table: list[list[int]], world: int) -> None:
+def test_malformed_tables_are_rejected(table: list[ReportRow], world: int) -> None:
     with pytest.raises(ValueError):
         plan_restore(table, world)

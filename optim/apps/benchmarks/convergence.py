@@ -35,7 +35,8 @@ from typing import Any
 from bindings.validate import check_density
 from optim.apps.benchmarks.output import git_commit
 from optim.apps.train_job.job_config import SPARSE_OPTIMIZERS, TrainConfig
-from optim.apps.train_job.train import launch_local, wire_bytes_summary
+from optim.apps.train_job.records import TrainResult, wire_bytes_summary
+from optim.apps.train_job.train import launch_local
 
 __all__ = [
     "DEFAULT_DENSITIES",
@@ -299,33 +300,33 @@ def largest_loss_rise(losses: Sequence[float], first_step: int) -> tuple[float, 
     return best, at
 
 
-def summarize_run(name: str, config: TrainConfig, result: dict[str, Any]) -> dict[str, Any]:
+def summarize_run(name: str, config: TrainConfig, result: TrainResult) -> dict[str, Any]:
     """Reduce rank 0's :func:`~optim.apps.train_job.train.train_worker` result to the benchmark's record."""
-    steps = result["steps"]
+    steps = result.steps
     warm = config.warmup_steps
     if config.optimizer in SPARSE_OPTIMIZERS:
         warm = max(warm, config.sparse_warmup_steps)
-    rise, rise_step = largest_loss_rise([s["train_loss"] for s in steps], warm)
-    wire = wire_bytes_summary(steps, result["bucket_bytes"])
-    sparse = [s["bytes_sent"] for s in steps if s.get("sparse")]
+    rise, rise_step = largest_loss_rise([s.train_loss for s in steps], warm)
+    wire = wire_bytes_summary(steps, result.bucket_bytes)
+    sparse = [s.bytes_sent for s in steps if s.sparse]
     return {
         "name": name,
-        "optimizer": result["optimizer"],
+        "optimizer": result.optimizer,
         "density": config.density if config.optimizer in SPARSE_OPTIMIZERS else 1.0,
         "config": dataclasses.asdict(config),
-        "num_parameters": result["num_parameters"],
-        "train_loss": [s["train_loss"] for s in steps],
-        "evals": result["evals"],
-        "final_val_loss": result["evals"][-1]["val_loss"],
-        "initial_val_loss": result["evals"][0]["val_loss"],
+        "num_parameters": result.num_parameters,
+        "train_loss": [s.train_loss for s in steps],
+        "evals": [dataclasses.asdict(e) for e in result.evals],
+        "final_val_loss": result.evals[-1].val_loss,
+        "initial_val_loss": result.evals[0].val_loss,
         "wire_bytes_per_step": wire["per_step"],
         "optimizer_wire_bytes_per_step": wire["optimizer_per_step"],
         "wire_bytes_by_op": {op: v["per_step"] for op, v in wire["by_op"].items()},
         "wire_bytes_total": wire["total"],
         "sparse_step_wire_bytes": sum(sparse) / len(sparse) if sparse else None,
-        "mean_step_time_s": sum(s["step_time_s"] for s in steps) / len(steps),
-        "train_time_s": result["train_time_s"],
-        "sparse_steps": sum(1 for s in steps if s.get("sparse")),
+        "mean_step_time_s": sum(s.step_time_s for s in steps) / len(steps),
+        "train_time_s": result.train_time_s,
+        "sparse_steps": sum(1 for s in steps if s.sparse),
         "warmup_steps": warm,
         "largest_loss_rise": rise,
         "largest_loss_rise_step": rise_step,

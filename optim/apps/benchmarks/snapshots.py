@@ -23,7 +23,7 @@ runs the resilient train job (:func:`optim.apps.train_job.resilient_job.run_resi
    ``kill_step`` runs and a spare takes its place (hot-swap). The phases come
    from the coordinator's and the workers' events
    (:func:`optim.apps.train_job.resilient_job.failure_timeline` and the ``restored`` events'
-   ``phases_s``).
+   ``phases``: :class:`optim.resilient.RecoveryPhases`).
 
 Separately, :func:`run_loopback` times a large snapshot (``loopback_bytes``)
 between 2 local ranks over the same side channel the replicator uses (a
@@ -273,12 +273,9 @@ def recovery_split(result: dict[str, Any]) -> dict[str, Any]:
     kill_t = result["kills"][0]["time"]
     restored = [e for e in result["events"] if e["event"] == "restored" and e["time"] >= kill_t]
 
-    def phase(lo: str | None, hi: str) -> float | None:
-        vals = [
-            e["phases_s"][hi] - (e["phases_s"][lo] if lo else 0.0)
-            for e in restored
-            if hi in e.get("phases_s", {}) and (lo is None or lo in e["phases_s"])
-        ]
+    def phase(*names: str) -> float | None:
+        """The longest over the restored ranks of the named phases' summed durations."""
+        vals = [sum(e["phases"][n] for n in names) for e in restored if "phases" in e]
         return max(vals) if vals else None
 
     out: dict[str, Any] = {
@@ -291,10 +288,10 @@ def recovery_split(result: dict[str, Any]) -> dict[str, Any]:
         "reconfigure_s": None
         if f["epoch_configured_s"] is None or f["detected_s"] is None
         else f["epoch_configured_s"] - f["detected_s"],
-        "agree_s": phase(None, "agree_s"),
-        "transfer_s": phase("agree_s", "transfer_s"),
-        "restore_s": phase("transfer_s", "restore_s"),
-        "resnapshot_s": phase("restore_s", "replication_s"),
+        "agree_s": phase("stop_replication_s", "agree_s"),
+        "transfer_s": phase("transfer_s"),
+        "restore_s": phase("restore_s"),
+        "resnapshot_s": phase("replication_s"),
         "resume_s": None if f["resumed_s"] is None or f["restored_s"] is None else f["resumed_s"] - f["restored_s"],
         "total_s": f["resumed_s"],
         "timeline": f,

@@ -310,7 +310,7 @@ def _rank(settings_json: str, out: str) -> int:
     config = TrainConfig(**settings)
     result = run_training(config)
     if result is not None:
-        Path(out).write_text(json.dumps(result) + "\n")
+        Path(out).write_text(json.dumps(result.to_json()) + "\n")
     return 0
 
 

@@ -12,36 +12,24 @@ bars (tqdm) or plots (matplotlib, Agg canvas).
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import logging
-import platform
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-
-import sparsecomm
 from bindings.spawn import LocalRunError
 from optim.apps.cli.bench import add_bench_parser
 from optim.apps.cli.control_plane import add_launch_parsers
 from optim.apps.cli.export_weights import add_export_parser
 from optim.apps.cli.options import add_model_options, add_scape_options, model_settings, scape_settings
+from optim.apps.cli.report import build_report, write_report
 from optim.apps.cli.train_resilient import add_resilience_options, run_resilient_cmd, wants_resilience
 from optim.apps.train_job.job_config import OPTIMIZERS, TrainConfig
-from optim.apps.train_job.train import run_training, wire_bytes_summary
+from optim.apps.train_job.records import StepRecord
+from optim.apps.train_job.train import run_training
 
-__all__ = [
-    "main",
-    "build_parser",
-    "build_report",
-    "write_report",
-    "write_loss_plot",
-    "TqdmProgress",
-]
+__all__ = ["main", "build_parser", "TqdmProgress"]
 
 _DEFAULTS = TrainConfig()
 
@@ -62,133 +50,26 @@ class TqdmProgress:
     def __getstate__(self) -> dict[str, Any]:
         return {"total": self.total, "_bar": None, "_val": None}
 
-    def __call__(self, record: dict[str, Any]) -> None:
+    def __call__(self, record: StepRecord, val_loss: float | None) -> None:
         """Advance the bar by one step and show the latest losses.
 
         Args:
-            record: The step record (``train_loss``, optional ``val_loss``).
+            record: The step's record.
+            val_loss: Its validation loss (``None``: not evaluated after this step).
         """
         if self._bar is None:
             from tqdm import tqdm
 
             self._bar = tqdm(total=self.total, desc="train", unit="step", dynamic_ncols=True)
-        if "val_loss" in record:
-            self._val = float(record["val_loss"])
-        postfix = {"loss": f"{record['train_loss']:.3f}"}
+        if val_loss is not None:
+            self._val = val_loss
+        postfix = {"loss": f"{record.train_loss:.3f}"}
         if self._val is not None:
             postfix["val"] = f"{self._val:.3f}"
         self._bar.set_postfix(postfix, refresh=False)
         self._bar.update(1)
-        if record["step"] >= self.total:
+        if record.step >= self.total:
             self._bar.close()
-
-
-def build_report(config: TrainConfig, result: dict[str, Any]) -> dict[str, Any]:
-    """Assemble the ``report.json`` content from rank 0's :func:`~optim.apps.train_job.train.run_training` result.
-
-    Args:
-        config: The run.
-        result: Rank 0's result.
-
-    Returns:
-        The report (JSON-serialisable).
-    """
-    steps = result["steps"]
-    evals = result["evals"]
-    last = [s["train_loss"] for s in steps[-10:]]
-    return {
-        "config": dataclasses.asdict(config),
-        "optimizer": result.get("optimizer", config.optimizer_config()),
-        "world_size": result["world_size"],
-        "backend": config.backend,
-        "launcher": result["launcher"],
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "numpy": np.__version__,
-            "sparsecomm": sparsecomm.__version__,
-            "platform": platform.platform(),
-        },
-        "wall_time_s": result["wall_time_s"],
-        "train_time_s": result["train_time_s"],
-        "mean_step_time_s": sum(s["step_time_s"] for s in steps) / len(steps),
-        "model": {**result["model"], "num_parameters": result["num_parameters"]},
-        "corpus": result["corpus"],
-        "final": {
-            "train_loss": steps[-1]["train_loss"],
-            "train_loss_last10_mean": sum(last) / len(last),
-            "initial_val_loss": evals[0]["val_loss"],
-            "val_loss": evals[-1]["val_loss"],
-        },
-        "wire_bytes": wire_bytes_summary(steps, result["bucket_bytes"]),
-        "comm_stats": result["comm_stats"],
-        "steps": steps,
-        "evals": evals,
-    }
-
-
-def write_loss_plot(report: dict[str, Any], path: str | Path) -> Path:
-    """Draw train and validation loss against step into a PNG.
-
-    Args:
-        report: A :func:`build_report` result.
-        path: Output file.
-
-    Returns:
-        The path written.
-    """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    steps = [s["step"] for s in report["steps"]]
-    train = [s["train_loss"] for s in report["steps"]]
-    window = max(1, min(10, len(train) // 5))
-    chunks = [train[max(0, i - window + 1) : i + 1] for i in range(len(train))]
-    smooth = [sum(c) / len(c) for c in chunks]
-    fig = Figure(figsize=(7.0, 4.5), dpi=110)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    ax.plot(steps, train, lw=0.7, alpha=0.35, color="tab:blue", label="train (per step)")
-    ax.plot(steps, smooth, lw=1.6, color="tab:blue", label=f"train ({window}-step mean)")
-    ax.plot(
-        [e["step"] for e in report["evals"]],
-        [e["val_loss"] for e in report["evals"]],
-        "o-",
-        color="tab:orange",
-        label="validation",
-    )
-    model = report["model"]
-    ax.set_title(
-        f"{report['optimizer']['name']}, {report['world_size']} ranks ({report['backend']}), "
-        f"{model['num_parameters']:,} params, "
-        f"batch {report['config']['batch']}x{report['config']['context']} per rank",
-        fontsize=10,
-    )
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats / byte)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out)
-    return out
-
-
-def write_report(report: dict[str, Any], out_dir: str | Path) -> tuple[Path, Path]:
-    """Write ``report.json`` and ``report.png`` into ``out_dir`` (created if missing).
-
-    Args:
-        report: A :func:`build_report` result.
-        out_dir: Output directory.
-
-    Returns:
-        The paths of the JSON and PNG files.
-    """
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    json_path = out / "report.json"
-    json_path.write_text(json.dumps(report, indent=1) + "\n")
-    return json_path, write_loss_plot(report, out / "report.png")
 
 
 def _fmt_bytes(n: float) -> str:

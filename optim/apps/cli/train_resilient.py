@@ -9,6 +9,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from optim.apps.cli.report import run_report
 from optim.apps.train_job.job_config import TrainConfig
 from optim.apps.train_job.resilient_job import (
     RECOVERY_MODES,
@@ -65,6 +66,11 @@ def wants_resilience(args: argparse.Namespace) -> bool:
     return bool(args.spares > 0 or args.kill or args.checkpoint_dir)
 
 
+def _steps(run: dict[str, Any]) -> list[dict[str, Any]]:
+    """A fault-tolerant run's committed losses as ``report.json``'s ``steps``."""
+    return [{"step": k, "train_loss": v} for k, v in sorted(run["losses"].items())]
+
+
 def _verdict(run: dict[str, Any], reference: dict[str, Any] | None) -> dict[str, Any]:
     if reference is None:
         return {"checked": False}
@@ -111,10 +117,16 @@ def _plot(report: dict[str, Any], run: dict[str, Any], path: Path) -> None:
     losses = run["losses"]
     steps = sorted(losses)
     ax.plot(steps, [losses[s] for s in steps], lw=0.9, color="tab:blue", label="train loss (with failures)")
-    ref = report.get("reference_losses")
+    ref = report.get("reference_steps")
     if ref:
-        rs = sorted(ref)
-        ax.plot(rs, [ref[s] for s in rs], lw=2.5, alpha=0.3, color="tab:green", label="failure-free reference")
+        ax.plot(
+            [s["step"] for s in ref],
+            [s["train_loss"] for s in ref],
+            lw=2.5,
+            alpha=0.3,
+            color="tab:green",
+            label="failure-free reference",
+        )
     for f in report["failures"]:
         ax.axvline(f["step"], color="tab:red", lw=0.8, ls="--")
     ax.set_xlabel("step")
@@ -184,30 +196,35 @@ def run_resilient_cmd(args: argparse.Namespace, config: TrainConfig) -> int:
     run = run_resilient_training(config, res, out / "run")
     failures = failure_timeline(run)
     verdict = _verdict(run, reference)
-    report = {
-        "title": f"{config.optimizer} (density {config.density}) on {config.nproc} workers + {res.spares} spare(s); "
-        f"recovery {res.recovery}; kills: {kills}",
-        "config": dataclasses.asdict(config),
-        "optimizer": config.optimizer_config(),
-        "resilience": dataclasses.asdict(res),
-        "status": run["status"],
-        "wall_time_s": run["wall_time_s"],
-        "losses": {str(k): v for k, v in sorted(run["losses"].items())},
-        "evals": {str(k): v for k, v in sorted(run["evals"].items())},
-        "params_digest": run["params_digest"],
-        "final_members_agree": run["digests_agree"],
-        "failures": failures,
-        "missed_kills": run["missed_kills"],
-        "snapshot": _snapshot_overhead(run),
-        "verdict": verdict,
-        "events": run["events"],
-    }
+    report = run_report(
+        config,
+        world_size=config.nproc,
+        launcher="local",
+        wall_time_s=run["wall_time_s"],
+        steps=_steps(run),
+        evals=[{"step": k, "val_loss": v} for k, v in sorted(run["evals"].items())],
+    )
+    report.update(
+        {
+            "title": f"{config.optimizer} (density {config.density}) on {config.nproc} workers "
+            f"+ {res.spares} spare(s); recovery {res.recovery}; kills: {kills}",
+            "resilience": dataclasses.asdict(res),
+            "status": run["status"],
+            "params_digest": run["params_digest"],
+            "final_members_agree": run["digests_agree"],
+            "failures": failures,
+            "missed_kills": run["missed_kills"],
+            "snapshot": _snapshot_overhead(run),
+            "verdict": verdict,
+            "events": run["events"],
+        }
+    )
     if reference is not None:
-        report["reference_losses"] = reference["losses"]
+        report["reference_steps"] = _steps(reference)
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     _plot(report, run, out / "report.png")
-    report.pop("reference_losses", None)
+    report.pop("reference_steps", None)
     for f in failures:
         print(
             f"failure: slot {f['slot']} killed at step {f['step']}: detected +{_s(f['detected_s'])}, "

@@ -203,7 +203,7 @@ def _run_worker(config: TrainConfig, res: ResilienceConfig, out: Path, log: Proc
         "skipped": ft.skipped,
         "evals": {str(k): v for k, v in sorted(evals.items())},
         "params_digest": _params_digest(model),
-        "recoveries": ft.recoveries,
+        "recoveries": [r.to_json() for r in ft.recoveries],
         **ft.stats,
     }
     (out / f"result-{rank}.json").write_text(json.dumps(result) + "\n")
@@ -354,7 +354,7 @@ def failure_timeline(result: dict[str, Any]) -> list[dict[str, Any]]:
                 "resumed_s": (max(first_commits.values()) - t) if first_commits else None,
                 "restore_step": rec.get("restore_step"),
                 "steps_recomputed": max((e.get("steps_recomputed", 0) for e in restored), default=None),
-                "restore_phases_s": rec.get("phases_s"),
+                "restore_phases_s": rec.get("phases"),
             }
         )
     return out

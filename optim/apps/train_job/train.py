@@ -35,6 +35,7 @@ Entry points:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -52,13 +53,13 @@ from bindings.spawn import run_local
 from bindings.stats import op_delta
 from optim.apps.train_job.ddp import close_hook, count_torch_collectives, register_hook
 from optim.apps.train_job.job_config import DDP_HOOKS, TORCH_ADAMW, TrainConfig, build_optimizer, lr_at
+from optim.apps.train_job.records import EvalRecord, StepRecord, TrainResult
 from optim.apps.train_job.tasks import Task, make_task
 from optim.optimizers.capabilities import AveragingOptimizer, capabilities
 
 __all__ = [
     "OnStep",
     "Worker",
-    "wire_bytes_summary",
     "train_worker",
     "launch_local",
     "run_training",
@@ -66,9 +67,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-OnStep = Callable[[dict[str, Any]], None]
-"""Per-step callback; receives the step record (plus ``val_loss`` on evaluation steps)."""
-Worker = Callable[["TrainConfig", int, int, "OnStep | None"], dict[str, Any]]
+OnStep = Callable[[StepRecord, "float | None"], None]
+"""Per-step callback: the step's record and its validation loss (``None``: no evaluation after this step)."""
+Worker = Callable[["TrainConfig", int, int, "OnStep | None"], TrainResult]
 """Signature of :func:`train_worker` (``config, rank, world_size, on_step``)."""
 
 
@@ -130,7 +131,7 @@ def train_step(
     return loss
 
 
-def train_worker(config: TrainConfig, rank: int, world_size: int, on_step: OnStep | None = None) -> dict[str, Any]:
+def train_worker(config: TrainConfig, rank: int, world_size: int, on_step: OnStep | None = None) -> TrainResult:
     """Run the training loop as one rank of an initialised default group.
 
     Collective: every rank of the group must call this with the same config.
@@ -142,18 +143,8 @@ def train_worker(config: TrainConfig, rank: int, world_size: int, on_step: OnSte
         on_step: Called after every step with the step record.
 
     Returns:
-        ``steps`` (per-step records: ``step``, ``lr``, ``train_loss``,
-        ``grad_norm`` (global norm of the synchronized gradient before
-        clipping; ``None`` when a sharded optimizer does not clip),
-        ``step_time_s``, ``comm_time_s`` (the bucket all-reduce, or the whole
-        ``optimizer.step()`` of a sharded optimizer: its collectives plus the
-        shard update), ``bytes_sent``, ``bytes_received``,
-        ``bytes_sent_by_op`` (this rank's sent bytes per stats op name, the
-        ``loss`` all-reduce included), and ``sparse`` for SCAPE),
-        ``evals`` (``step``, ``val_loss``), ``model``, ``num_parameters``,
-        ``optimizer`` (:meth:`TrainConfig.optimizer_config`), ``bucket_bytes``
-        (the flat fp32 gradient buffer), ``corpus``, ``comm_stats`` and
-        ``train_time_s``.
+        The run's result (``launcher`` ``""`` and ``wall_time_s`` the training
+        loop's: :func:`run_training` fills them in).
 
     Raises:
         RuntimeError: The ranks disagree on the model or the loss is not finite.
@@ -200,8 +191,8 @@ def train_worker(config: TrainConfig, rank: int, world_size: int, on_step: OnSte
             stats_of_hook = hook_stats
             counting = lambda: count_torch_collectives(stats_of_hook, world_size)  # noqa: E731
         net = ddp
-    records: list[dict[str, Any]] = []
-    evals = [{"step": 0, "val_loss": _evaluate(model, optimizer, task, config, rank)}]
+    records: list[StepRecord] = []
+    evals = [EvalRecord(step=0, val_loss=_evaluate(model, optimizer, task, config, rank))]
     logger.info("rank %d: %d parameters, %s, optimizer %s", rank, numel, about["corpus"]["name"], config.optimizer)
     t_train = time.perf_counter()
     try:
@@ -229,29 +220,28 @@ def train_worker(config: TrainConfig, rank: int, world_size: int, on_step: OnSte
             if hook_stats is not None:
                 for op, d in op_delta(hook0, hook_stats.as_dict()).items():
                     ops[op] = {k: v + ops.get(op, {}).get(k, 0) for k, v in d.items()}
-            record = {
-                "step": step,
-                "lr": lr,
-                "train_loss": train_loss,
-                "grad_norm": grad_norm,
-                "step_time_s": time.perf_counter() - t0,
-                "comm_time_s": comm_time,
-                "bytes_sent": sum(d["bytes_sent"] for d in ops.values()),
-                "bytes_received": sum(d["bytes_received"] for d in ops.values()),
-                "bytes_sent_by_op": {op: d["bytes_sent"] for op, d in ops.items()},
-            }
             sparse = _sparse_step(optimizer, step)
-            if sparse is not None:
-                record["sparse"] = sparse
-            elif hook is not None:
-                record["sparse"] = step > start_iter
+            if sparse is None and hook is not None:
+                sparse = step > start_iter
+            record = StepRecord(
+                step=step,
+                lr=lr,
+                train_loss=train_loss,
+                grad_norm=grad_norm,
+                step_time_s=time.perf_counter() - t0,
+                comm_time_s=comm_time,
+                bytes_sent=sum(d["bytes_sent"] for d in ops.values()),
+                bytes_received=sum(d["bytes_received"] for d in ops.values()),
+                bytes_sent_by_op={op: d["bytes_sent"] for op, d in ops.items()},
+                sparse=sparse,
+            )
             records.append(record)
-            event = dict(record)
+            val_loss = None
             if step == config.steps or (config.eval_interval and step % config.eval_interval == 0):
-                evals.append({"step": step, "val_loss": _evaluate(model, optimizer, task, config, rank)})
-                event["val_loss"] = evals[-1]["val_loss"]
+                val_loss = _evaluate(model, optimizer, task, config, rank)
+                evals.append(EvalRecord(step=step, val_loss=val_loss))
             if on_step is not None:
-                on_step(event)
+                on_step(record, val_loss)
         if capabilities(optimizer).replicas_drift:
             cast(AveragingOptimizer, optimizer).average_params()  # every rank ends with the same model
     finally:
@@ -266,18 +256,21 @@ def train_worker(config: TrainConfig, rank: int, world_size: int, on_step: OnSte
         bucket_bytes = bucket.numel() * bucket.element_size()
     else:
         bucket_bytes = numel * 4  # the dense fp32 gradient the hook compresses
-    return {
-        "steps": records,
-        "evals": evals,
-        "model": about["model"],
-        "task": {"task": about["task"], "arch": about["arch"]},
-        "num_parameters": numel,
-        "optimizer": config.optimizer_config(),
-        "bucket_bytes": bucket_bytes,
-        "corpus": about["corpus"],
-        "comm_stats": stats.as_dict(),
-        "train_time_s": train_time,
-    }
+    return TrainResult(
+        steps=tuple(records),
+        evals=tuple(evals),
+        model=about["model"],
+        task={"task": about["task"], "arch": about["arch"]},
+        num_parameters=numel,
+        optimizer=config.optimizer_config(),
+        bucket_bytes=bucket_bytes,
+        corpus=about["corpus"],
+        comm_stats=stats.as_dict(),
+        train_time_s=train_time,
+        world_size=world_size,
+        launcher="",
+        wall_time_s=train_time,
+    )
 
 
 def _sparse_step(optimizer: torch.optim.Optimizer, step: int) -> bool | None:
@@ -339,40 +332,9 @@ def _clip_and_step(config: TrainConfig, params: list[torch.nn.Parameter], optimi
     return norm
 
 
-def wire_bytes_summary(steps: list[dict[str, Any]], bucket_bytes: int) -> dict[str, Any]:
-    """Summarise the per-step wire bytes of rank 0: total, per step, and split by stats op.
-
-    Args:
-        steps: Step records of :func:`train_worker`.
-        bucket_bytes: Size of the flat fp32 gradient buffer.
-
-    Returns:
-        ``per_step`` / ``total`` (every op of the step), ``optimizer_per_step``
-        (without the ``loss`` all-reduce), ``by_op`` (``{op: {"per_step",
-        "total"}}``), ``total_received``, ``bucket_bytes`` and a note.
-    """
-    n = max(1, len(steps))
-    sent = [s["bytes_sent"] for s in steps]
-    totals: dict[str, int] = {}
-    for s in steps:
-        for op, b in s.get("bytes_sent_by_op", {}).items():
-            totals[op] = totals.get(op, 0) + b
-    loss_total = totals.get("loss", 0)
-    return {
-        "per_step": sum(sent) / n,
-        "optimizer_per_step": (sum(sent) - loss_total) / n,
-        "total": sum(sent),
-        "total_received": sum(s["bytes_received"] for s in steps),
-        "by_op": {op: {"per_step": t / n, "total": t} for op, t in sorted(totals.items())},
-        "bucket_bytes": bucket_bytes,
-        "note": "bytes rank 0 sent in training steps (ring convention, bindings.stats); "
-        "optimizer_per_step leaves out the 'loss' all-reduce",
-    }
-
-
 def _rank_main(
     rank: int, world_size: int, worker: Worker, config: TrainConfig, on_step: OnStep | None
-) -> dict[str, Any] | None:
+) -> TrainResult | None:
     """Body of one spawned rank: join the group from the launcher's environment, train."""
     torch.set_num_threads(config.threads)
     dist.init_process_group(config.backend, timeout=timedelta(seconds=config.comm_timeout_s))
@@ -383,9 +345,7 @@ def _rank_main(
     return out if rank == 0 else None
 
 
-def launch_local(
-    config: TrainConfig, *, on_step: OnStep | None = None, worker: Worker = train_worker
-) -> dict[str, Any]:
+def launch_local(config: TrainConfig, *, on_step: OnStep | None = None, worker: Worker = train_worker) -> TrainResult:
     """Run ``worker`` in ``config.nproc`` spawned local processes over gloo.
 
     The whole job has the deadline ``config.job_timeout_s``; when a rank
@@ -412,7 +372,7 @@ def launch_local(
     return results[0]
 
 
-def run_training(config: TrainConfig, *, on_step: OnStep | None = None) -> dict[str, Any] | None:
+def run_training(config: TrainConfig, *, on_step: OnStep | None = None) -> TrainResult | None:
     """Train as the launched rank, or spawn ``config.nproc`` local ranks.
 
     Started by torchrun / mpirun / srun, this process runs as its rank (and
@@ -423,9 +383,9 @@ def run_training(config: TrainConfig, *, on_step: OnStep | None = None) -> dict[
         on_step: Rank 0's per-step callback (picklable when spawning).
 
     Returns:
-        On rank 0, :func:`train_worker`'s result plus ``world_size``,
-        ``launcher`` (``local`` or the launcher's name) and ``wall_time_s``
-        (start to last result); ``None`` on the other ranks.
+        On rank 0, :func:`train_worker`'s result with ``launcher`` (``local``
+        or the launcher's name) and ``wall_time_s`` (start to last result);
+        ``None`` on the other ranks.
     """
     t0 = time.perf_counter()
     info = detect_launch()
@@ -433,7 +393,7 @@ def run_training(config: TrainConfig, *, on_step: OnStep | None = None) -> dict[
         if config.data is not None and not Path(config.data).is_file():
             raise FileNotFoundError(f"data file not found: {config.data}")
         result = launch_local(config, on_step=on_step)
-        world_size, launcher = config.nproc, "local"
+        launcher = "local"
     else:
         if info.world_size != config.nproc:
             logger.info("launched by %s with %d ranks; nproc=%d ignored", info.launcher, info.world_size, config.nproc)
@@ -442,10 +402,10 @@ def run_training(config: TrainConfig, *, on_step: OnStep | None = None) -> dict[
             result = train_worker(
                 config, dist.get_rank(), dist.get_world_size(), on_step if dist.get_rank() == 0 else None
             )
-            rank, world_size = dist.get_rank(), dist.get_world_size()
+            rank = dist.get_rank()
         finally:
             dist.destroy_process_group()
         if rank != 0:
             return None
         launcher = info.launcher
-    return {**result, "world_size": world_size, "launcher": launcher, "wall_time_s": time.perf_counter() - t0}
+    return dataclasses.replace(result, launcher=launcher, wall_time_s=time.perf_counter() - t0)

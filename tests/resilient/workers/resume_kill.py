@@ -64,7 +64,7 @@ def main() -> int:
         digest = hashlib.sha256()
         for t in model.parameters():
             digest.update(t.detach().contiguous().numpy().tobytes())
-        report = {"losses": ft.losses, "digest": digest.hexdigest(), "recoveries": ft.recoveries}
+        report = {"losses": ft.losses, "digest": digest.hexdigest(), "recoveries": [r.to_json() for r in ft.recoveries]}
         (a.out / "report.json").write_text(json.dumps(report) + "\n")
     return 0
 
