@@ -7,7 +7,7 @@ from pathlib import Path
 
 __all__ = ["REPO_ROOT", "pythonpath_env"]
 
-REPO_ROOT = str(Path(__file__).resolve().parents[1])
+REPO_ROOT = str(Path(__file__).resolve().parents[2])
 """The directory that holds the ``optim`` package (and ``bindings``, ``sparsecomm``, ``resilient_comm``)."""
 
 

@@ -108,3 +108,11 @@ def test_no_two_library_modules_share_a_name() -> None:
                 seen.setdefault(path.stem, []).append(str(path.relative_to(ROOT)))
     twice = {name: where for name, where in seen.items() if len(where) > 1 and name not in SAME_JOB}
     assert not twice, twice
+
+
+def test_the_checkout_the_children_import_is_this_one() -> None:
+    """Jobs and benchmarks start children with this checkout first on their path (``optim.apps.paths``)."""
+    from optim.apps.paths import REPO_ROOT
+
+    assert Path(REPO_ROOT) == ROOT
+    assert all((ROOT / package / "__init__.py").is_file() for package in FORBIDDEN)
