@@ -97,9 +97,14 @@ class LocalOptimizer(WrappingOptimizer):
             LocalAdamS, whose normalizer is built from the first moment, the
             wrapped AdamW gained nothing from it in the convergence suite
             (``benchmarks/README.md``), so it is off unless asked for.
-        max_grad_norm: Clip the gradient the wrapped optimizer sees (the
-            averaged one in the warm-up, this rank's own after it) to this
-            global norm; 0 (default): no clipping.
+        max_grad_norm: Clip the gradient to this global norm as dense training
+            clips the ranks' average (0, default: no clipping): in the warm-up
+            the averaged gradient itself; after it every rank's own gradient is
+            scaled by the factor the average's norm calls for
+            (:class:`optim.optimizers.noise.MeanNorm`: one all_reduce of 65
+            floats per step). Clipped by its own norm, a rank's gradient, which
+            carries ``P`` times the noise, would be cut more the more ranks
+            there are.
         group: The process group (default: the default group of :mod:`sparsecomm.distributed`).
 
     Raises:
@@ -109,6 +114,8 @@ class LocalOptimizer(WrappingOptimizer):
             between ranks (before any communication but one small agreement,
             the same on every rank).
     """
+
+    _clip_averaged = True
 
     def __init__(
         self,
@@ -356,6 +363,8 @@ class LocalOptimizer(WrappingOptimizer):
         local.update(self.local_state)
         if self.noise_scale is not None:
             local.update(self.noise_scale.state_dict())
+        if self.mean_norm is not None:
+            local.update(self.mean_norm.state_dict())
         return {**self.optimizer.state_dict(), "local": local}
 
     @torch.no_grad()
@@ -386,6 +395,8 @@ class LocalOptimizer(WrappingOptimizer):
                 raise ValueError(f"state_dict: {name} missing or not a flat {mine.dtype} shard")
         if self.noise_scale is not None:
             check_noise_state(local)
+        if self.mean_norm is not None:
+            check_noise_state(local, "clip_noise_ema")
         self._avg.quiesce()
         self.optimizer.load_state_dict({k: v for k, v in state_dict.items() if k != "local"})
         self._bind_moments()
@@ -396,4 +407,6 @@ class LocalOptimizer(WrappingOptimizer):
             b.take_own(mine, local[name], rank)
         if self.noise_scale is not None:
             self.noise_scale.load_state_dict(local)
+        if self.mean_norm is not None:
+            self.mean_norm.load_state_dict(local)
         self._step = step

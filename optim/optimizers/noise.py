@@ -37,23 +37,30 @@ from bindings import ReduceOp
 from bindings.validate import check_int
 from optim.optimizers.sharded import squared_norm
 
-__all__ = ["NoiseScale", "check_noise_state", "effective_world_size", "local_share", "sign_sketch"]
+__all__ = [
+    "MeanNorm",
+    "NoiseScale",
+    "check_noise_state",
+    "effective_world_size",
+    "local_share",
+    "sign_sketch",
+]
 
 
 def _check_columns(columns: object) -> None:
     check_int("columns", columns, low=1)
 
 
-def check_noise_state(state: dict[str, Any]) -> Tensor:
-    """Return ``state["noise_ema"]`` (:meth:`NoiseScale.state_dict`).
+def check_noise_state(state: dict[str, Any], key: str = "noise_ema") -> Tensor:
+    """Return ``state[key]``: :meth:`NoiseScale.state_dict`'s ``noise_ema`` or :meth:`MeanNorm.state_dict`'s.
 
     Raises:
         ValueError: Missing or not two float64 values.
     """
-    src = state.get("noise_ema")
+    src = state.get(key)
     if not isinstance(src, Tensor) or tuple(src.shape) != (2,) or src.dtype != torch.float64:
         got = None if not isinstance(src, Tensor) else (tuple(src.shape), src.dtype)
-        raise ValueError(f"noise_ema should be a (2,) float64 tensor, got {got}")
+        raise ValueError(f"{key} should be a (2,) float64 tensor, got {got}")
     return src
 
 
@@ -171,3 +178,73 @@ class NoiseScale:
             ValueError: Missing or not two float64 values.
         """
         self.ema.copy_(check_noise_state(state))
+
+
+class MeanNorm:
+    """The global norm of the ranks' average gradient at every step, without sending it: what dense clipping measures.
+
+    For the ranks' gradients ``g_r`` and their average ``g``,
+    ``|g|**2 = mean_r |g_r|**2 - N`` with ``N`` the noise across ranks
+    (module docstring). The first term is exact at every step; ``N`` is the
+    bias-corrected EMA of its sign-sketch measurements. A single step's
+    sketch is wrong by as much as the whole norm where two of the few
+    coordinates that carry it meet in one column; over the EMA's steps that
+    averages out, while a jump of the gradient shows in the exact term at
+    once. Where the difference is not positive (``N`` over-estimated) the
+    step's sketch is the estimate.
+
+    Args:
+        columns: Sketch size ``k`` (the all_reduce carries ``k + 1`` float32 values).
+        beta: EMA coefficient of the noise.
+        seed: Seed of the sketch's signs (combined with the step; the same on every rank).
+
+    Raises:
+        ValueError: Bad arguments.
+    """
+
+    def __init__(self, *, columns: int = 64, beta: float = 0.9, seed: int = 0xC1) -> None:
+        _check_columns(columns)
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"Invalid beta: {beta!r} (must be in [0, 1))")
+        self.columns, self.beta, self.seed = columns, beta, seed
+        self.ema = torch.zeros(2, dtype=torch.float64)
+        """The noise's EMA (not bias-corrected) and the number of steps in it (state: state dicts hold it)."""
+
+    def measure(self, comm: Any, g: Tensor, step: int) -> float:
+        """Fold one step's gradient in; return the norm of the ranks' average gradient.
+
+        Collective: every rank must call this with the same ``step`` and size
+        of ``g`` (one all_reduce of ``columns + 1`` float32 values, stats
+        scope ``grad_clip``); every rank gets the same norm.
+
+        Args:
+            comm: The communicator (``all_reduce``, ``stats``).
+            g: This rank's gradient (1-D).
+            step: The step number (seeds the signs).
+        """
+        k = self.columns
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + int(step))
+        vec = torch.empty(k + 1, dtype=torch.float32, device=g.device)
+        vec[:k] = sign_sketch(g, k, gen)
+        vec[k] = float(squared_norm(g))
+        with comm.stats.scope("grad_clip"):
+            comm.all_reduce(vec, ReduceOp.AVG)
+        v = vec.double().cpu()
+        mean_sq, sketched = float(v[k]), float(v[:k].square().sum())
+        self.ema[0] = self.beta * self.ema[0] + (1.0 - self.beta) * (mean_sq - sketched)
+        self.ema[1] += 1.0
+        noise = float(self.ema[0]) / (1.0 - self.beta ** float(self.ema[1]))
+        est = mean_sq - noise
+        return math.sqrt(est if est > 0.0 else sketched)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """The EMA and its step count (a copy)."""
+        return {"clip_noise_ema": self.ema.clone()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load :meth:`state_dict`'s ``clip_noise_ema``.
+
+        Raises:
+            ValueError: Missing or not two float64 values.
+        """
+        self.ema.copy_(check_noise_state(state, "clip_noise_ema"))

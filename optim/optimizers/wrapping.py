@@ -27,6 +27,7 @@ from bindings import ReduceOp
 from bindings.validate import check_float
 from optim.optimizers.buckets import FlatBucket
 from optim.optimizers.capabilities import OptimizerCapabilities, StateLayout, capabilities
+from optim.optimizers.noise import MeanNorm
 from optim.optimizers.sharded import agree
 
 __all__ = ["WrappingOptimizer", "average_grads", "check_inner"]
@@ -124,8 +125,9 @@ class WrappingOptimizer(Optimizer):
             parameters (fp32, one device), not one of ours.
         model: The model it trains, the same on every rank.
         max_grad_norm: Clip the gradient the wrapped optimizer sees (the
-            averaged one in the warm-up, this rank's own after it) to this
-            global norm; 0: no clipping.
+            averaged one in the warm-up; after it this rank's own, by its own
+            norm, or, where the subclass sets ``_clip_averaged``, by the norm of
+            the ranks' average) to this global norm; 0: no clipping.
         group: The process group (``None``: the default group of :mod:`sparsecomm.distributed`).
 
     Raises:
@@ -137,6 +139,9 @@ class WrappingOptimizer(Optimizer):
 
     capabilities = OptimizerCapabilities(layout=StateLayout.REPLICATED, replicas_drift=True, own_snapshots=False)
     """Each rank holds its own replica between averagings; snapshots are the ``state_dict()`` and the parameters."""
+
+    _clip_averaged = False
+    """Whether a local step clips by the norm of the ranks' average gradient (:class:`MeanNorm`, 65 floats a step)."""
 
     def __init__(self, optimizer: Optimizer, model: torch.nn.Module, *, max_grad_norm: float, group: Any) -> None:
         self._comm = dist.get_communicator(group)
@@ -167,6 +172,8 @@ class WrappingOptimizer(Optimizer):
         b.bind_params(self._flat)  # the parameters are views of the replica: the subclass writes them in place
         self._grad = b.new_flat()
         self._step = 0
+        self.mean_norm = MeanNorm() if self._clip_averaged and self.max_grad_norm > 0 else None
+        """Measures the norm a local step clips by (``None``: this rank's own, or no clipping)."""
         self._make_buffers()
 
     # ------------------------------------------------------------------ for subclasses
@@ -241,5 +248,11 @@ class WrappingOptimizer(Optimizer):
             average_grads(self._comm, b, self._grad)
         if self.max_grad_norm > 0:
             params = [p for p in b.params if p.grad is not None]
-            self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm))
+            if self.mean_norm is not None and not warm and b.world_size > 1:
+                b.gather_grads(self._grad)
+                norm = self.mean_norm.measure(self._comm, self._grad, self._step)
+                torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, torch.tensor(norm))
+                self.last_grad_norm = norm
+            else:
+                self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm))
         self.optimizer.step()

@@ -45,8 +45,10 @@ AVERAGING = {
 MOMENT = {
     "codes-0.1-moment": dict(density=0.1, average_moment=True),
     "overlap-moment": dict(density=0.1, overlap=True, average_moment=True),
+    "codes-0.1-clip": dict(density=0.1, max_grad_norm=0.05),
 }
-"""Settings only a wrapped Adam(W) takes (``average_moment``)."""
+"""Settings tested on the wrapped Adam(W) only (``average_moment``; clipping by the average's norm, which
+LocalAdamS does not do)."""
 
 
 def _build(kind: str, model: torch.nn.Module, averaging: str) -> torch.optim.Optimizer:
@@ -194,7 +196,7 @@ def _resume(rank: int, ws: int, averaging: str, cut: int) -> dict:
 
 
 @pytest.mark.parametrize(
-    "averaging", ["codes-0.01", "codes-0.1", "overlap", "codes-0.1-moment", "overlap-moment", "bf16"]
+    "averaging", ["codes-0.01", "codes-0.1", "overlap", "codes-0.1-moment", "overlap-moment", "bf16", "codes-0.1-clip"]
 )
 def test_state_dict_resumes_bit_for_bit(averaging: str) -> None:
     res = run_ranks(_resume, 2, averaging, 5, timeout=120)
@@ -354,6 +356,40 @@ def test_debias_gives_adamw_the_second_moment_of_the_averaged_gradient(noise: st
             assert abs(r["local"] / r["dense"] - 1.0) < 0.1, r
         else:
             assert r["local"] / r["dense"] > 2.0, r
+
+
+def _clipped(rank: int, ws: int) -> dict:
+    """Gradients ``mu + e_rank`` (noise 3x the signal per coordinate): the norm each rank clips by, after the warm-up."""
+    from optim import LocalOptimizer
+
+    n = 4000
+    model = torch.nn.Linear(n, 1, bias=False)
+    inner = torch.optim.AdamW(model.parameters(), lr=0.0)
+    opt = LocalOptimizer(inner, model, density=0.1, warmup_steps=2, max_grad_norm=1.0)
+    mu = torch.linspace(-1.0, 1.0, n)
+    out = []
+    for t in range(40):
+        noises = [3.0 * torch.randn(n, generator=torch.Generator().manual_seed(97 * t + r)) for r in range(ws)]
+        model.weight.grad = (mu + noises[rank]).view(1, n)
+        opt.step()
+        mean = (mu + torch.stack(noises).mean(0)).norm().item()
+        out.append((opt.last_grad_norm, mean, (mu + noises[rank]).norm().item()))
+    return {"norms": out[2:]}
+
+
+def test_local_steps_clip_by_the_norm_of_the_ranks_average() -> None:
+    """Every rank clips by the same norm, the averaged gradient's within the sketch's error, not by its own
+    (with P = 4 and this noise a rank's own norm is twice the average's)."""
+    res = run_ranks(_clipped, 4, timeout=120)
+    ratios = []
+    for step in range(len(res[0]["norms"])):
+        used = {r["norms"][step][0] for r in res}
+        assert len(used) == 1, used  # the same on every rank
+        clip, mean, own = res[0]["norms"][step]
+        assert own > 1.8 * mean
+        ratios.append(clip / mean)
+    assert all(0.75 < q < 1.25 for q in ratios), ratios  # the sketch's norm: about 5% standard deviation
+    assert abs(sum(ratios) / len(ratios) - 1.0) < 0.05, ratios
 
 
 def _scheduled(rank: int, ws: int) -> dict:

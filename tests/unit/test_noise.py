@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 from optim.optimizers.adams import debiased_adams_step_
-from optim.optimizers.noise import NoiseScale, effective_world_size, sign_sketch
+from optim.optimizers.noise import MeanNorm, NoiseScale, effective_world_size, sign_sketch
 
 
 @pytest.mark.parametrize("n,columns", [(1, 64), (640, 64), (1000, 64), (5, 3), (4096, 1)])
@@ -82,3 +84,49 @@ def test_debiased_step_sums_the_variance_it_estimates() -> None:
     debiased_adams_step_(w2, m2, s, g, world_size=4, **kw)
     assert float(total) == pytest.approx(float(ref), rel=1e-6)
     assert torch.equal(w, w2) and torch.equal(m, m2)  # summing changes nothing else
+
+
+class _OneRank:
+    """One rank's communicator for the pure estimate: its all_reduce of one rank is the identity."""
+
+    world_size = 1
+
+    class stats:  # noqa: N801 - the communicator's attribute
+        @staticmethod
+        def scope(name: str) -> contextlib.AbstractContextManager[None]:
+            return contextlib.nullcontext()
+
+    def all_reduce(self, t: torch.Tensor, op: object) -> None:
+        pass
+
+
+def test_mean_norm_holds_where_a_few_coordinates_carry_the_norm() -> None:
+    """Five coordinates carry 99% of the squared norm, three of them in one column of the sketch (positions equal mod
+    64): a single step's sketch is wrong by up to half the norm; the estimate, the exact mean of the squared norms
+    less the noise's EMA, is not."""
+    g = torch.randn(20000, generator=torch.Generator().manual_seed(3)) * 0.01
+    g[[11, 75, 139, 4000, 4064]] = torch.tensor([30.0, -25.0, 20.0, 28.0, -22.0])
+    true = float(g.norm())
+    norm = MeanNorm()
+    est = [norm.measure(_OneRank(), g, step) / true for step in range(300)]
+    sketch = [float(sign_sketch(g, 64, torch.Generator().manual_seed(s)).norm()) / true for s in range(300)]
+    assert max(abs(q - 1.0) for q in sketch) > 0.5  # what a single sketch gets wrong
+    assert all(abs(q - 1.0) < 0.35 for q in est[20:]), (min(est[20:]), max(est[20:]))
+    assert torch.tensor(est[20:]).std() < 0.4 * torch.tensor(sketch).std()
+    assert abs(sum(est[20:]) / len(est[20:]) - 1.0) < 0.03
+
+
+def test_mean_norm_state_round_trips_and_is_checked() -> None:
+    a = MeanNorm()
+    g = torch.randn(1000, generator=torch.Generator().manual_seed(1))
+    for step in range(5):
+        a.measure(_OneRank(), g, step)
+    b = MeanNorm()
+    b.load_state_dict(a.state_dict())
+    assert a.measure(_OneRank(), g, 5) == b.measure(_OneRank(), g, 5)
+    with pytest.raises(ValueError, match="clip_noise_ema"):
+        b.load_state_dict({"clip_noise_ema": torch.zeros(3)})
+    with pytest.raises(ValueError, match="beta"):
+        MeanNorm(beta=1.0)
+    with pytest.raises(ValueError, match="columns"):
+        MeanNorm(columns=0)
