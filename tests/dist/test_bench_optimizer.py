@@ -126,9 +126,12 @@ def test_optimizer_bench_structure_and_sanity() -> None:
             "anchor": 4 * padded,
             "wire_residual": 4 * shard,
         }
-        # the codes, and the measured noise's 66 float32 values (noise="auto" for AdamW)
-        assert set(r["wire_bytes_per_step_by_op"]) == {"quantized_all_reduce", "noise"}
-        assert r["wire_bytes_per_step_by_op"]["noise"] == rows["local@0.01"]["wire_bytes_per_step_by_op"]["noise"]
+        # the codes, the measured noise's 66 float32 values (noise="auto" for AdamW) and the 65 of the norm
+        # a local step clips by (the bench clips)
+        by_op = r["wire_bytes_per_step_by_op"]
+        assert set(by_op) == {"quantized_all_reduce", "noise", "grad_clip"}
+        assert by_op["noise"] == rows["local@0.01"]["wire_bytes_per_step_by_op"]["noise"]
+        assert 0 < by_op["grad_clip"] < by_op["noise"]
     # 0.01: LocalAdamS averages no first moments either (its measured normalizer adds the noise sketch)
     local_codes = rows["local@0.01"]["wire_bytes_per_step_by_op"]["quantized_all_reduce"]
     assert rows["local-adamw@0.01"]["wire_bytes_per_step_by_op"]["quantized_all_reduce"] == local_codes

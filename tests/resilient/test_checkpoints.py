@@ -267,9 +267,9 @@ def test_resume_on_another_world_size_reshards(tmp_path: Path, optimizer: str, w
     _check_export(ckpt, tmp_path / "model.pt", first["params_digest"] if optimizer == "scape" else None)
     for n in worlds:
         r = _train(tmp_path / f"on{n}", "--nproc", str(n), "--steps", "30", "--resume", *common)
-        losses = {int(k): v for k, v in r["losses"].items()}
+        losses = _losses(r)
         assert sorted(losses) == list(range(1, 31))
-        assert all(losses[s] == v for s, v in ((int(k), v) for k, v in first["losses"].items()))  # the history
+        assert all(losses[s] == v for s, v in _losses(first).items())  # the history
         assert all(v == v and v < losses[1] for s, v in losses.items() if s > 20)  # it trains on from there
         assert r["final_members_agree"]
         # the next run starts from this one's checkpoint again, so put the 4-slot step back first
