@@ -195,12 +195,12 @@ class AdamS(Optimizer):
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
         lr: float = 1e-3,
+        *,
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         bias_correction: bool = True,
         foreach: bool | None = None,
-        *,
         wd_min_ndim: int = 2,
     ) -> None:
         defaults = dict(

@@ -517,13 +517,13 @@ class ShardedAdamS(_ShardedOptimizer):
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
         lr: float = 1e-3,
+        *,
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         bias_correction: bool = True,
         max_grad_norm: float = 0.0,
         group: Any = None,
-        *,
         wd_min_ndim: int = 2,
         _config: str = "",
     ) -> None:
@@ -564,12 +564,12 @@ class ShardedAdamW(_ShardedOptimizer):
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
         lr: float = 1e-3,
+        *,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
         max_grad_norm: float = 0.0,
         group: Any = None,
-        *,
         wd_min_ndim: int = 2,
     ) -> None:
         defaults = _adams_defaults(lr, betas, eps, weight_decay, True, wd_min_ndim)

@@ -184,3 +184,15 @@ def test_no_class_checks_on_optimizers_outside_their_modules() -> None:
                 if hit:
                     bad.append(f"{rel}:{node.lineno} {node.func.id}(..., {', '.join(hit)})")
     assert not bad, "ask optim.optimizers.capabilities.capabilities(optimizer) instead:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("name", ["AdamS", "ShardedAdamS", "ShardedAdamW", "SCAPE", "LocalAdamS", "TopKAdamS"])
+def test_constructors_take_only_params_and_lr_by_position(name: str) -> None:
+    """Every other setting is named: the same call reads the same across the optimizers."""
+    import inspect
+
+    import optim
+
+    params = list(inspect.signature(getattr(optim, name).__init__).parameters.values())[1:]
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    assert positional == ["params", "lr"], positional
