@@ -141,6 +141,7 @@ class SlotSnapshots:
         self.comm, self.timeout = comm, timeout
         self.own, self.ward = SnapshotRing(), SnapshotRing()
         self.replicator: Replicator | None = None
+        self._submitted = -1  # the last version handed to the replicator
         self.put_s: list[float] = []
         self._persist_error: str | None = None
 
@@ -154,7 +155,9 @@ class SlotSnapshots:
         """
         t0 = time.perf_counter()
         if self.replicator is not None:
+            self._wait_replicated()
             self.replicator.submit_tree(step, tree, self.own, persist)
+            self._submitted = step
         else:
             data = self.own.put(step, tree)
             if persist is not None:
@@ -202,6 +205,22 @@ class SlotSnapshots:
         buf = self.own.get(version)
         assert buf is not None
         self.replicator.submit(version, buf)
+        self._submitted = version
+
+    def _wait_replicated(self) -> None:
+        """Wait until the buddy acknowledged the last version submitted (or replication stopped, or the deadline).
+
+        The own ring keeps two versions: were the replication more than one
+        version behind, the buddy's copy of this slot could be older than
+        every version some other slot still holds, and a failure then would
+        leave no step every slot has. A slower replication holds the step
+        here instead (counted in :attr:`put_s`).
+        """
+        rep = self.replicator
+        assert rep is not None
+        end = time.monotonic() + self.timeout.total_seconds()
+        while rep.replicated < self._submitted and rep.failed is None and time.monotonic() < end:
+            time.sleep(0.0005)
 
     def drain(self) -> None:
         """Wait for the replication in flight (the end of a run)."""
