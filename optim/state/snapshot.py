@@ -424,12 +424,14 @@ class Replicator:
                         assert rw is not None and sw is not None and not isinstance(rw, int)
                         rw.wait(self._timeout)
                         sw.wait(self._timeout)
+                        # held before it is acknowledged: the ward's put() waits for this ack before its next
+                        # version, and a failure from here on must not lose what the ward was told is safe
+                        self._ward.put_bytes(job.version, recv)
                         self._ack_out[0] = job.version
                         aw = ch.recv(self._ack_in, self.buddy, tag=2, async_op=True)
                         ch.send(self._ack_out, self.ward, tag=2)
                         assert aw is not None and not isinstance(aw, int)
                         aw.wait(self._timeout)
-                        self._ward.put_bytes(job.version, recv)
                         self.bytes_sent += self.capacity
                         acked = int(self._ack_in[0])
                     else:
