@@ -40,6 +40,7 @@ from optim.optimizers.sharded import squared_norm
 __all__ = [
     "MeanNorm",
     "NoiseScale",
+    "averaged_sketch",
     "check_noise_state",
     "effective_world_size",
     "local_share",
@@ -84,6 +85,27 @@ def sign_sketch(g: Tensor, columns: int, generator: torch.Generator) -> Tensor:
     if tail:
         out[:tail].add_(g[rows * columns :], alpha=float(signs[rows]))
     return out
+
+
+def averaged_sketch(
+    comm: Any, g: Tensor, columns: int, seed: int, step: int, scope: str, extra: tuple[float, ...] = ()
+) -> Tensor:
+    """The ranks' average of ``[sign_sketch(g), |g|**2, *extra]`` (float64, on the CPU).
+
+    Collective: every rank must call this with the same ``seed``, ``step``
+    and sizes (one all_reduce of ``columns + 1 + len(extra)`` float32 values,
+    stats scope ``scope``). The signs are drawn from ``seed`` and ``step``:
+    the same on every rank, new at every step.
+    """
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + int(step))
+    vec = torch.empty(columns + 1 + len(extra), dtype=torch.float32, device=g.device)
+    vec[:columns] = sign_sketch(g, columns, gen)
+    vec[columns] = float(squared_norm(g))
+    for i, x in enumerate(extra):
+        vec[columns + 1 + i] = x
+    with comm.stats.scope(scope):
+        comm.all_reduce(vec, ReduceOp.AVG)
+    return vec.double().cpu()
 
 
 def local_share(steps: int, warmup_steps: int, beta2: float) -> float:
@@ -153,14 +175,7 @@ class NoiseScale:
             step: The step number (seeds the signs).
         """
         k = self.columns
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + int(step))
-        vec = torch.empty(k + 2, dtype=torch.float32, device=g.device)
-        vec[:k] = sign_sketch(g, k, gen)
-        vec[k] = float(squared_norm(g))
-        vec[k + 1] = estimated
-        with comm.stats.scope("noise"):
-            comm.all_reduce(vec, ReduceOp.AVG)
-        v = vec.double().cpu()
+        v = averaged_sketch(comm, g, k, self.seed, step, "noise", extra=(estimated,))
         measured = float(v[k]) - float(v[:k].square().sum())  # unclamped: the sketch's error averages out
         self.last_measured, self.last_estimated = measured, float(v[k + 1])
         now = torch.tensor([measured, self.last_estimated], dtype=torch.float64)
@@ -223,13 +238,7 @@ class MeanNorm:
             step: The step number (seeds the signs).
         """
         k = self.columns
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + int(step))
-        vec = torch.empty(k + 1, dtype=torch.float32, device=g.device)
-        vec[:k] = sign_sketch(g, k, gen)
-        vec[k] = float(squared_norm(g))
-        with comm.stats.scope("grad_clip"):
-            comm.all_reduce(vec, ReduceOp.AVG)
-        v = vec.double().cpu()
+        v = averaged_sketch(comm, g, k, self.seed, step, "grad_clip")
         mean_sq, sketched = float(v[k]), float(v[:k].square().sum())
         self.ema[0] = self.beta * self.ema[0] + (1.0 - self.beta) * (mean_sq - sketched)
         self.ema[1] += 1.0
