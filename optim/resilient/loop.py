@@ -83,6 +83,7 @@ from optim.resilient.loop_recovery import RecoverableRun
 from optim.resilient.step_health import exchange_step_reports
 from optim.state import training_state as ts
 from optim.state.checkpoint import CheckpointError
+from optim.state.run_stats import StateStats
 from optim.state.snapshot import UnrecoverableStateError
 from resilient_comm import FaultAwareCommunicator
 
@@ -156,7 +157,8 @@ class ResilientTraining(RecoverableRun):
         self._bad: list[int] | None = None  # the ranks whose loss or gradient was not finite in this step
         self._entry_buffers: dict[str, torch.Tensor] = {}
         self._t0 = 0.0
-        self.stats: dict[str, Any] = {}
+        self.stats: StateStats | None = None
+        """What the state machinery did (set by :meth:`finish` on a member)."""
 
     # ------------------------------------------------------------------ public surface
     @property
@@ -283,7 +285,8 @@ class ResilientTraining(RecoverableRun):
                 self._opt.average_params()
             if self._store is not None:
                 self._store.drain()
-            self.stats = {**self._snaps.stats(), "checkpoints": self._store.written if self._store else []}
+            written = tuple(self._store.written) if self._store else ()
+            self.stats = StateStats(snapshots=self._snaps.stats(), checkpoints=written)
         self.close()
 
     def close(self, *, ok: bool = True) -> None:

@@ -63,6 +63,7 @@ import sparsecomm.distributed as dist
 from bindings.validate import check_bool, check_int
 from optim.state import lossy
 from optim.state.delta import apply_delta, encode_delta
+from optim.state.run_stats import SlotFileInfo, WrittenFile
 from optim.state.snapshot import decode_tree, tensor_layout
 
 __all__ = ["CheckpointError", "CheckpointStore", "export_state_dict", "model_fingerprint", "read_newest"]
@@ -132,7 +133,7 @@ class CheckpointStore:
         # per slot, of its last write: step, world size, fingerprint, payload, deltas since the last full
         # file, and what a restore of it rebuilds (None: the payload itself)
         self._last: dict[int, tuple[int, int, str, bytes, int, bytes | None]] = {}
-        self.written: list[dict[str, Any]] = []  # step, slot, kind, bytes, seconds of every file written here
+        self.written: list[WrittenFile] = []  # every file written here, in order
         self.error: str | None = None
         """Why the last background write failed (``None``: none failed)."""
         self._queue: queue.Queue[tuple[Any, ...] | None] | None = None
@@ -325,9 +326,8 @@ class CheckpointStore:
             tmp.unlink(missing_ok=True)
             raise CheckpointError(f"checkpoint of step {step}, slot {slot}: cannot write {final}: {exc}") from exc
         self._last[slot] = (step, world_size, fingerprint, full, chain, rebuilt)
-        self.written.append(
-            {"step": step, "slot": slot, "kind": kind, "bytes": len(data), "seconds": time.perf_counter() - t0}
-        )
+        seconds = time.perf_counter() - t0
+        self.written.append(WrittenFile(step=step, slot=slot, kind=kind, nbytes=len(data), seconds=seconds))
         self.prune(slot, world_size)
         return final
 
@@ -438,24 +438,24 @@ class CheckpointStore:
             raise CheckpointError(f"{path}: rebuilt from step {header.base}, it does not match its sha256")
         return full
 
-    def file_info(self, step: int, slot: int) -> dict[str, Any]:
-        """The header of one slot file: ``kind`` (full or delta), ``base``, ``bytes`` on disk, ``full_bytes``, ...
+    def file_info(self, step: int, slot: int) -> SlotFileInfo:
+        """The header of one slot file and its size on disk.
 
         Raises:
             CheckpointError: The file is missing or its header is unreadable.
         """
         path = self.slot_file(step, slot)
         h, _ = self._header(path)
-        return {
-            "step": h.step,
-            "slot": h.slot,
-            "world_size": h.world_size,
-            "fingerprint": h.fingerprint,
-            "kind": h.kind,
-            "base": h.base,
-            "bytes": path.stat().st_size,
-            "full_bytes": h.full_nbytes,
-        }
+        return SlotFileInfo(
+            step=h.step,
+            slot=h.slot,
+            world_size=h.world_size,
+            fingerprint=h.fingerprint,
+            kind=h.kind,
+            base=h.base,
+            disk_bytes=path.stat().st_size,
+            full_bytes=h.full_nbytes,
+        )
 
     def chain(self, step: int, slot: int) -> list[int]:
         """The steps whose files restoring ``(step, slot)`` reads, newest first, down to its full file."""

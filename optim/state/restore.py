@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 import sparsecomm.distributed as dist
+from optim.state.run_stats import SnapshotStats
 from optim.state.snapshot import Replicator, SnapshotRing, UnrecoverableStateError, decode_tree
 from resilient_comm import FaultAwareCommunicator, Reconfiguration
 
@@ -238,15 +239,16 @@ class SlotSnapshots:
         self.own.clear()
         self.ward.clear()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> SnapshotStats:
         """Median snapshot time on the critical path, ring sizes and replication totals."""
         rep, put_s = self.replicator, sorted(self.put_s)
-        return {
-            "snapshot_ms_median": 1000 * put_s[len(put_s) // 2] if put_s else 0.0,
-            "snapshot_bytes": (self.own.nbytes(), self.ward.nbytes()),
-            "replicated_bytes": rep.bytes_sent if rep else 0,
-            "replication_busy_s": rep.busy_s if rep else 0.0,
-        }
+        return SnapshotStats(
+            snapshot_ms_median=1000 * put_s[len(put_s) // 2] if put_s else 0.0,
+            own_bytes=self.own.nbytes(),
+            ward_bytes=self.ward.nbytes(),
+            replicated_bytes=rep.bytes_sent if rep else 0,
+            replication_busy_s=rep.busy_s if rep else 0.0,
+        )
 
     def agree(self, change: Reconfiguration | None, snapshots: bool) -> tuple[RestorePlan, int]:
         """Gather every member's holdings and plan the restore. Collective.

@@ -107,7 +107,7 @@ def test_whole_job_killed_then_resumed_bitwise(tmp_path: Path, uninterrupted: tu
     # where the kill came between the newest step's last file and the pruning that file's writer does next
     needed = {s for k in complete[-2:] for slot in range(NPROC) for s in store.chain(k, slot)}
     assert set(complete) - needed <= set(complete[-3:-2]), (complete, needed)
-    kinds = {store.file_info(k, slot)["kind"] for k in complete for slot in range(NPROC)}
+    kinds = {store.file_info(k, slot).kind for k in complete for slot in range(NPROC)}
     assert "delta" in kinds, kinds  # SCAPE 0.1: what changed in 5 steps is small
     rc, resumed, log = _job(tmp_path / "b", tmp_path / "ckpt", "--resume")
     assert rc == 0 and resumed is not None, log
@@ -236,8 +236,8 @@ def test_lossy_checkpoints_are_smaller_and_resume_close_to_the_run(tmp_path: Pat
     _train(tmp_path / "first", "--steps", "20", "--checkpoint-dir", str(ckpt), "--lossy-checkpoints", *common)
     lossy, plain = CheckpointStore(ckpt), CheckpointStore(tmp_path / "plain")
     for slot in range(2):
-        assert lossy.file_info(10, slot)["kind"] == "lossy" and lossy.file_info(20, slot)["kind"] == "delta"
-        assert lossy.file_info(10, slot)["bytes"] < 0.9 * plain.file_info(10, slot)["bytes"]
+        assert lossy.file_info(10, slot).kind == "lossy" and lossy.file_info(20, slot).kind == "delta"
+        assert lossy.file_info(10, slot).disk_bytes < 0.9 * plain.file_info(10, slot).disk_bytes
     resumed = _train(tmp_path / "second", "--steps", "30", "--checkpoint-dir", str(ckpt), "--resume", *common)
     losses, want = _losses(resumed), _losses(ref)
     assert sorted(losses) == sorted(want)

@@ -99,10 +99,10 @@ def _run(store: CheckpointStore, steps: list[int], world: int = 2, frac: float =
 def test_store_writes_a_full_file_every_m_and_reads_every_step_back(tmp_path) -> None:
     store = CheckpointStore(tmp_path, keep=10, full_every=3)
     written = _run(store, [10, 20, 30, 40, 50, 60, 70])
-    kinds = [w["kind"] for w in store.written if w["slot"] == 0]
+    kinds = [w.kind for w in store.written if w.slot == 0]
     assert kinds == ["full", "delta", "delta", "full", "delta", "delta", "full"]
-    full = [w["bytes"] for w in store.written if w["kind"] == "full"]
-    delta = [w["bytes"] for w in store.written if w["kind"] == "delta"]
+    full = [w.nbytes for w in store.written if w.kind == "full"]
+    delta = [w.nbytes for w in store.written if w.kind == "delta"]
     assert max(delta) * 10 < min(full)
     fresh = CheckpointStore(tmp_path, keep=10, full_every=3)  # another process reads: nothing held in memory
     for (step, slot), data in written.items():
@@ -123,7 +123,7 @@ def test_forget_and_a_new_layout_start_a_new_full_file(tmp_path) -> None:
     store.forget()
     _run(store, [3])
     _run(store, [4], world=3)  # another world size: nothing to build on
-    kinds = {(w["step"], w["slot"]): w["kind"] for w in store.written}
+    kinds = {(w.step, w.slot): w.kind for w in store.written}
     assert kinds[(2, 0)] == "delta" and kinds[(3, 0)] == "full" and kinds[(4, 0)] == "full"
 
 
@@ -182,11 +182,11 @@ def _lossy_run(store: CheckpointStore, steps: list[int], beta: float = 0.9) -> d
 def test_a_lossy_store_rounds_full_files_keeps_deltas_exact_and_checks_every_rebuild(tmp_path) -> None:
     store = CheckpointStore(tmp_path, keep=10, full_every=4, lossy=True)
     exact = _lossy_run(store, [1, 2, 3, 4, 5])
-    assert [w["kind"] for w in store.written] == ["lossy", "delta", "delta", "delta", "lossy"]
+    assert [w.kind for w in store.written] == ["lossy", "delta", "delta", "delta", "lossy"]
     plain = CheckpointStore(tmp_path / "plain", keep=10, full_every=4)
     _lossy_run(plain, [1, 2, 3, 4, 5])
-    lossy_full = [w["bytes"] for w in store.written if w["kind"] == "lossy"]
-    assert max(lossy_full) < 0.8 * min(w["bytes"] for w in plain.written if w["kind"] == "full")
+    lossy_full = [w.nbytes for w in store.written if w.kind == "lossy"]
+    assert max(lossy_full) < 0.8 * min(w.nbytes for w in plain.written if w.kind == "full")
     fresh = CheckpointStore(tmp_path, keep=10, full_every=4)  # a reader needs no flag: the header says it
     for step, tree in exact.items():
         got = decode_tree(fresh.read(step, 0, 1, FP))

@@ -52,6 +52,7 @@ from bindings.validate import check_int
 from optim.apps.train_job.job_config import TrainConfig
 from optim.apps.train_job.resilient_job import ResilienceConfig, run_resilient_training
 from optim.state.checkpoint import CheckpointStore
+from optim.state.run_stats import SlotFileInfo
 from optim.state.snapshot import decode_tree
 
 __all__ = ["PersistBenchConfig", "checkpoint_files", "run_persist_bench", "step_times"]
@@ -158,7 +159,7 @@ def step_times(events: list[dict[str, Any]]) -> dict[int, float]:
     return out
 
 
-def checkpoint_files(store: CheckpointStore) -> list[dict[str, Any]]:
+def checkpoint_files(store: CheckpointStore) -> list[SlotFileInfo]:
     """The header of every file in ``store`` (:meth:`CheckpointStore.file_info`), oldest step first."""
     rows = []
     for step in store.steps():
@@ -214,10 +215,10 @@ def _lossy(config: PersistBenchConfig, name: str, optimizer: str, density: float
     )
     _run(config, name, "lossy", config.train_config(optimizer, density, str(base / "lossy")), res)
     files = checkpoint_files(CheckpointStore(lossy_ckpt, keep=config.steps))
-    packed = [f["bytes"] for f in files if f["kind"] == "lossy"]
+    packed = [f.disk_bytes for f in files if f.kind == "lossy"]
     out: dict[str, Any] = {
         "bytes_lossy": _median([float(b) for b in packed]),
-        "bytes_per_checkpoint_lossy": sum(f["bytes"] for f in files) / max(1, len({f["step"] for f in files})),
+        "bytes_per_checkpoint_lossy": sum(f.disk_bytes for f in files) / max(1, len({f.step for f in files})),
     }
     total = config.steps + config.resume_steps
     for label, directory in (("lossless", ckpt), ("lossy", lossy_ckpt)):
@@ -251,10 +252,10 @@ def _row(config: PersistBenchConfig, optimizer: str, density: float) -> dict[str
         runs[label] = _run(config, name, label, config.train_config(optimizer, density, str(base / label)), res)
     store = CheckpointStore(ckpt, keep=config.steps, full_every=config.full_every)
     files = checkpoint_files(store)
-    full = [f["bytes"] for f in files if f["kind"] == "full"]
-    delta = [f["bytes"] for f in files if f["kind"] == "delta"]
-    n_ckpt = len({f["step"] for f in files})
-    fingerprint = str(files[0]["fingerprint"])
+    full = [f.disk_bytes for f in files if f.kind == "full"]
+    delta = [f.disk_bytes for f in files if f.kind == "delta"]
+    n_ckpt = len({f.step for f in files})
+    fingerprint = files[0].fingerprint
     lo, hi = config.skip_steps, config.steps
     with_t = {s: t for s, t in step_times(runs["with"]["events"]).items() if lo < s < hi}
     without_t = {s: t for s, t in step_times(runs["without"]["events"]).items() if lo < s < hi}
@@ -275,7 +276,7 @@ def _row(config: PersistBenchConfig, optimizer: str, density: float) -> dict[str
         "bytes_delta": _median([float(b) for b in delta]),
         "delta_ratio": statistics.median(full) / statistics.median(delta) if full and delta else None,
         "bytes_per_checkpoint": sum(full + delta) / max(1, n_ckpt),
-        "bytes_per_checkpoint_all_full": sum(f["full_bytes"] for f in files) / max(1, n_ckpt),
+        "bytes_per_checkpoint_all_full": sum(f.full_bytes for f in files) / max(1, n_ckpt),
         "step_ms_with": 1e3 * mean_with,
         "step_ms_without": 1e3 * mean_without,
         "overhead_fraction": mean_with / mean_without - 1.0,

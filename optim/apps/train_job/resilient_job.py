@@ -204,7 +204,7 @@ def _run_worker(config: TrainConfig, res: ResilienceConfig, out: Path, log: Proc
         "evals": {str(k): v for k, v in sorted(evals.items())},
         "params_digest": _params_digest(model),
         "recoveries": [r.to_json() for r in ft.recoveries],
-        **ft.stats,
+        **(ft.stats.to_json() if ft.stats else {}),
     }
     (out / f"result-{rank}.json").write_text(json.dumps(result) + "\n")
     return 0
