@@ -33,6 +33,7 @@ from urllib.parse import urlsplit
 from torch.distributed import DistStoreError, Store
 
 from bindings.errors import CommError, CommTimeoutError
+from bindings.json_object import JsonObject
 
 __all__ = ["EtcdAddress", "EtcdStore", "FencedError", "parse_etcd"]
 
@@ -134,7 +135,7 @@ class EtcdStore(Store):
         """The store's timeout in seconds (``set_timeout`` changes it)."""
         return float(self.timeout.total_seconds())  # type: ignore[attr-defined]
 
-    def _post(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
+    def _post(self, path: str, payload: JsonObject) -> JsonObject:
         """One request, tried on each endpoint in turn (from the last one that answered) until the deadline."""
         deadline = time.monotonic() + self._limit()
         errors: list[str] = []
@@ -159,18 +160,16 @@ class EtcdStore(Store):
     def _key(self, key: str) -> bytes:
         return self._root + key.encode()
 
-    def _range(self, key: str, **extra: Any) -> dict[str, Any]:
+    def _range(self, key: str, **extra: Any) -> JsonObject:
         return {"key": _b64(self._key(key)), **extra}
 
-    def _put(self, key: str, value: bytes, lease: int | None = None) -> dict[str, Any]:
-        put: dict[str, Any] = {"key": _b64(self._key(key)), "value": _b64(value)}
+    def _put(self, key: str, value: bytes, lease: int | None = None) -> JsonObject:
+        put: JsonObject = {"key": _b64(self._key(key)), "value": _b64(value)}
         if lease is not None:
             put["lease"] = lease
         return {"request_put": put}
 
-    def _txn(
-        self, compare: list[dict[str, Any]], success: list[dict[str, Any]], failure: list[dict[str, Any]]
-    ) -> dict[str, Any]:
+    def _txn(self, compare: list[JsonObject], success: list[JsonObject], failure: list[JsonObject]) -> JsonObject:
         """A transaction; with a fence set, it goes through only while the fence holds (else :class:`FencedError`)."""
         if self._fence is not None and any("request_range" not in op for op in success):
             fkey, fvalue = self._fence
@@ -189,7 +188,7 @@ class EtcdStore(Store):
         return self._post("/kv/txn", {"compare": compare, "success": success, "failure": failure})
 
     @staticmethod
-    def _kvs(response: dict[str, Any]) -> list[dict[str, Any]]:
+    def _kvs(response: JsonObject) -> list[JsonObject]:
         return list(response.get("kvs", []))
 
     def _read(self, key: str) -> tuple[bytes, int] | None:

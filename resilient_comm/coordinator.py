@@ -46,10 +46,10 @@ import socket
 import threading
 import time
 from datetime import timedelta
-from typing import Any
 
 from bindings.errors import CommError
 from bindings.etcd_store import EtcdStore
+from bindings.json_object import JsonObject
 from bindings.store import open_store
 from resilient_comm import keys
 from resilient_comm.auth import ControlStore
@@ -448,7 +448,7 @@ class Coordinator:
         with self._lock:
             self._view = view
         store.set(keys.EPOCH, str(view.epoch))
-        shape: dict[str, Any] = {"members": list(view.members), "world_size": view.world_size}
+        shape: JsonObject = {"members": list(view.members), "world_size": view.world_size}
         self.log.emit("epoch_proposed", epoch=view.epoch, mode=view.mode, lost_slots=list(view.lost_slots), **shape)
         for slot, m in sorted(view.promoted.items()):
             self.log.emit("spare_promoted", epoch=view.epoch, slot=slot, pid=self._roster.members[m].pid, member=m)

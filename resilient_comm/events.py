@@ -30,6 +30,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TextIO
 
+from bindings.json_object import JsonObject
+
 __all__ = [
     "EVENTS",
     "EventFileError",
@@ -180,12 +182,12 @@ class EventLog:
 
     def __init__(self, path: str | Path | None = None) -> None:
         self._lock = threading.Lock()
-        self._events: list[dict[str, Any]] = []
+        self._events: list[JsonObject] = []
         self._writer = EventWriter(path) if path is not None else None
 
     def emit(
         self, event: str, *, epoch: int | None = None, slot: int | None = None, pid: int | None = None, **extra: Any
-    ) -> dict[str, Any]:
+    ) -> JsonObject:
         """Record one event now and return it."""
         if event not in EVENTS:
             raise ValueError(f"event: unknown event {event!r}")
@@ -198,7 +200,7 @@ class EventLog:
         return rec
 
     @property
-    def events(self) -> list[dict[str, Any]]:
+    def events(self) -> list[JsonObject]:
         """A copy of every event so far."""
         with self._lock:
             return list(self._events)
@@ -211,7 +213,7 @@ class EventLog:
                 self._writer = None
 
 
-def parse_events(data: bytes | str, source: str = "<events>") -> list[dict[str, Any]]:
+def parse_events(data: bytes | str, source: str = "<events>") -> list[JsonObject]:
     """Parse the contents of an event file (see the module docstring for the rule).
 
     Args:
@@ -226,7 +228,7 @@ def parse_events(data: bytes | str, source: str = "<events>") -> list[dict[str, 
     """
     raw = data.encode("utf-8") if isinstance(data, str) else data
     complete = raw[: raw.rfind(b"\n") + 1]
-    out: list[dict[str, Any]] = []
+    out: list[JsonObject] = []
     for number, line in enumerate(complete.split(b"\n")[:-1], start=1):
         if not line.strip():
             continue
@@ -240,7 +242,7 @@ def parse_events(data: bytes | str, source: str = "<events>") -> list[dict[str, 
     return out
 
 
-def read_events(path: str | Path, *, missing_ok: bool = False) -> list[dict[str, Any]]:
+def read_events(path: str | Path, *, missing_ok: bool = False) -> list[JsonObject]:
     """Read an event file (see the module docstring for the rule).
 
     Args:
@@ -260,7 +262,7 @@ def read_events(path: str | Path, *, missing_ok: bool = False) -> list[dict[str,
     return parse_events(data, str(path))
 
 
-def read_event_dir(directory: str | Path, pattern: str = "*.jsonl") -> dict[Path, list[dict[str, Any]]]:
+def read_event_dir(directory: str | Path, pattern: str = "*.jsonl") -> dict[Path, list[JsonObject]]:
     """Read every event file of ``directory`` matching ``pattern``, by path in sorted order.
 
     Raises:

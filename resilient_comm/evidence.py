@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from bindings.json_object import JsonObject
 from resilient_comm.auth import RecordError
 from resilient_comm.view import decode_json
 
@@ -36,9 +37,9 @@ class Suspicion:
         return cls(epoch=epoch, member=member, evict=evict, reason=str(rec.get("reason", ""))[:500])
 
 
-def refusal_fields(member: int | None, record: bytes | RecordError, why: str = "") -> dict[str, Any]:
+def refusal_fields(member: int | None, record: bytes | RecordError, why: str = "") -> JsonObject:
     """The ``member_refused`` event of a refused process: what it claims to be (unchecked, bounded) and why."""
-    claimed: dict[str, Any] = {}
+    claimed: JsonObject = {}
     try:
         claimed = decode_json(record, "refusal note") if isinstance(record, bytes) else {}
     except ValueError:

@@ -203,23 +203,23 @@ def call_unless_aborted(fn: Callable[[], T], aborted: Callable[[], bool], *, nam
     Raises:
         PeerFailureError: ``aborted()`` turned true first, or ``fn`` raised an ``Exception`` (chained).
     """
-    box: dict[str, Any] = {}
+    results: list[T] = []
+    errors: list[Exception] = []
 
     def run() -> None:
         try:
-            box["result"] = fn()
+            results.append(fn())
         except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError/DistError on a failed rendezvous
-            box["error"] = exc
+            errors.append(exc)
 
     helper = _HELPERS.start(run, name)
     while helper.is_alive():
         helper.join(0.005)
         if helper.is_alive() and aborted():
             raise PeerFailureError(f"{what}: aborted before it finished")
-    if "error" in box:
-        raise PeerFailureError(f"{what}: {box['error']}") from box["error"]
-    result: T = box["result"]
-    return result
+    if errors:
+        raise PeerFailureError(f"{what}: {errors[0]}") from errors[0]
+    return results[0]
 
 
 class _Reaper:

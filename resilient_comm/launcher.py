@@ -8,6 +8,7 @@ heartbeat), forwards SIGINT / SIGTERM, and exits with the workers' status.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -19,7 +20,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from types import FrameType
-from typing import Any
 
 from bindings.spawn import ForkedPython
 from bindings.validate import check_choice, check_int
@@ -115,8 +115,7 @@ class LaunchConfig:
     def coordinator_config(self, job: str | None = None, secret: JobSecret | None = None) -> CoordinatorConfig:
         """The coordinator settings of this launch, with the job secret ``secret``."""
         job = job if job is not None else self.job
-        kw: dict[str, Any] = {} if job is None else {"job": job}
-        return CoordinatorConfig(
+        config = CoordinatorConfig(
             world_size=self.nproc,
             host=self.host,
             port=self.port,
@@ -129,8 +128,8 @@ class LaunchConfig:
             events=self.events,
             secret=secret,
             store=self.store,
-            **kw,
         )
+        return config if job is None else dataclasses.replace(config, job=job)
 
 
 class Launcher:

@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from bindings.json_object import JsonObject
 from bindings.validate import check_int
 
 __all__ = ["View", "MemberInfo", "decode_json", "MODES", "ROLES"]
@@ -21,7 +22,7 @@ MODES = ("hotswap", "shrink")
 ROLES = ("active", "spare")
 
 
-def decode_json(raw: bytes | str, what: str) -> dict[str, Any]:
+def decode_json(raw: bytes | str, what: str) -> JsonObject:
     """Parse one JSON object read from the store, or raise ``ValueError`` naming ``what``."""
     try:
         obj = json.loads(raw)
@@ -32,7 +33,7 @@ def decode_json(raw: bytes | str, what: str) -> dict[str, Any]:
     return obj
 
 
-def _int(obj: dict[str, Any], key: str, what: str, lo: int = 0) -> int:
+def _int(obj: JsonObject, key: str, what: str, lo: int = 0) -> int:
     return check_int(f"{what} field {key!r}", obj.get(key), low=lo)
 
 

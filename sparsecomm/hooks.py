@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.optim.optimizer import StateDict
 
 from bindings import Communicator, ReduceOp
 from bindings.stats import CommStats, ring_bytes
@@ -214,7 +215,7 @@ class SparseHookState:
             b.schedule.close()
 
     # ------------------------------------------------------------------ pickling (checkpoints)
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> StateDict:
         """Settings, iteration, remainders and the masks of the next iterations; no group, no thread.
 
         Call it between iterations (no bucket in flight). Gathers still in
@@ -222,7 +223,7 @@ class SparseHookState:
         """
         if self._worker is not None:
             self._worker.drain()
-        buckets: dict[int, dict[str, Any]] = {}
+        buckets: dict[int, StateDict] = {}
         residual = {pos: r.clone() for pos, r in self._saved_residual.items()}
         for idx, b in self._buckets.items():
             ready: dict[int, ShardedMask] = {}
@@ -244,7 +245,7 @@ class SparseHookState:
             "residual": residual,
         }
 
-    def __setstate__(self, st: dict[str, Any]) -> None:
+    def __setstate__(self, st: StateDict) -> None:
         """Restore a :meth:`__getstate__`; the group is made again (collectively) at the first bucket."""
         self.__init__(  # type: ignore[misc]
             density=st["density"],

@@ -24,12 +24,15 @@ masked coordinates by sharded/sparse optimizers.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
+from torch.optim.optimizer import ParamsT, StateDict
+
+from optim.optimizers.capabilities import ParamGroup
 
 __all__ = [
     "AdamS",
@@ -154,7 +157,7 @@ def _check(name: str, ok: bool, value: Any, rule: str) -> None:
         raise ValueError(f"Invalid {name}: {value!r} (must satisfy {rule})")
 
 
-def _validate_group(group: dict[str, Any]) -> None:
+def _validate_group(group: ParamGroup) -> None:
     lr, eps, wd, betas = group["lr"], group["eps"], group["weight_decay"], group["betas"]
     _check("lr", lr >= 0.0, lr, "lr >= 0")
     _check("betas", len(betas) == 2, betas, "a pair (beta1, beta2)")
@@ -193,7 +196,7 @@ class AdamS(Optimizer):
 
     def __init__(
         self,
-        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        params: ParamsT,
         lr: float = 1e-3,
         *,
         betas: tuple[float, float] = (0.9, 0.95),
@@ -215,12 +218,12 @@ class AdamS(Optimizer):
         _validate_group(defaults)
         super().__init__(params, defaults)
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
+    def add_param_group(self, param_group: ParamGroup) -> None:
         """Add a group (see :meth:`torch.optim.Optimizer.add_param_group`) and validate it."""
         super().add_param_group(param_group)
         _validate_group(self.param_groups[-1])
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
+    def __setstate__(self, state: StateDict) -> None:
         super().__setstate__(state)
         for group in self.param_groups:
             group.setdefault("bias_correction", True)
@@ -246,9 +249,9 @@ class AdamS(Optimizer):
             self._step_group(group)
         return loss
 
-    def _step_group(self, group: dict[str, Any]) -> None:
+    def _step_group(self, group: ParamGroup) -> None:
         beta1, beta2 = group["betas"]
-        hyper: dict[str, Any] = dict(
+        hyper: ParamGroup = dict(
             lr=float(group["lr"]),
             beta1=beta1,
             beta2=beta2,

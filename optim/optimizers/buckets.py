@@ -25,10 +25,11 @@ import hashlib
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
+
+from optim.optimizers.capabilities import ParamGroup
 
 __all__ = ["FlatBucket", "Segment"]
 
@@ -57,7 +58,7 @@ class FlatBucket:
             different dtypes or devices (raised before any communication).
     """
 
-    def __init__(self, param_groups: Sequence[dict[str, Any]], rank: int, world_size: int) -> None:
+    def __init__(self, param_groups: Sequence[ParamGroup], rank: int, world_size: int) -> None:
         params: list[Tensor] = []
         groups: list[int] = []
         names: list[str] = []
@@ -101,9 +102,7 @@ class FlatBucket:
         self.full_segments = self._segments(param_groups, groups, 0, n)
         """Segments of the whole flat buffer (positions ``[0, numel)``), for replicated-state optimizers."""
 
-    def _segments(
-        self, param_groups: Sequence[dict[str, Any]], groups: list[int], lo_g: int, hi_g: int
-    ) -> list[Segment]:
+    def _segments(self, param_groups: Sequence[ParamGroup], groups: list[int], lo_g: int, hi_g: int) -> list[Segment]:
         """The segments of flat positions ``[lo_g, hi_g)``, relative to ``lo_g``."""
         out: list[Segment] = []
         for p, off, gi in zip(self.params, self.offsets, groups, strict=True):

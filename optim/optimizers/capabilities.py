@@ -21,20 +21,25 @@ from __future__ import annotations
 import contextlib
 import enum
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeAlias
 
 from torch import Tensor
+from torch.optim.optimizer import StateDict
 
 __all__ = [
     "PLAIN",
     "AveragingOptimizer",
     "DeclaresCapabilities",
     "OptimizerCapabilities",
+    "ParamGroup",
     "ReplicaSnapshotOptimizer",
     "SnapshotOptimizer",
     "StateLayout",
     "capabilities",
 ]
+
+#: A ``torch.optim`` parameter group, or an optimizer's defaults: ``params`` and the hyperparameters by name.
+ParamGroup: TypeAlias = dict[str, Any]
 
 
 class StateLayout(enum.Enum):
@@ -113,10 +118,10 @@ class SnapshotOptimizer(Protocol):
     def shard_state(self) -> dict[str, Tensor]:
         """This rank's sharded state tensors, by name (empty for a replicated layout)."""
 
-    def snapshot_state(self) -> dict[str, Any]:
+    def snapshot_state(self) -> StateDict:
         """This rank's state after the last step (live tensors: encode it before the next step)."""
 
-    def restore_snapshot(self, snap: dict[str, Any]) -> None:
+    def restore_snapshot(self, snap: StateDict) -> None:
         """Load a :meth:`snapshot_state` of this rank's layout. Collective."""
 
     def resync_params(self) -> None:
@@ -135,7 +140,7 @@ class SnapshotOptimizer(Protocol):
 class ReplicaSnapshotOptimizer(SnapshotOptimizer, Protocol):
     """What ``own_snapshots`` promises in the replicated layout: a replica loads under any world size."""
 
-    def restore_replica(self, snap: dict[str, Any]) -> None:
+    def restore_replica(self, snap: StateDict) -> None:
         """Load a :meth:`snapshot_state` taken under any world size. Local."""
 
 

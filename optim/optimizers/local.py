@@ -48,16 +48,17 @@ Measurements: ``benchmarks/README.md``, "Convergence suite".
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch.optim.optimizer import ParamsT, StateDict
 
 from bindings import ReduceOp
 from optim.optimizers.adams import debiased_adams_step_
 from optim.optimizers.averaging import LOCAL_SCHEDULES, WIRE_DTYPES, Averaging, ReplicaAverager, auto_wire_bits
-from optim.optimizers.capabilities import OptimizerCapabilities, StateLayout
+from optim.optimizers.capabilities import OptimizerCapabilities, ParamGroup, StateLayout
 from optim.optimizers.noise import NoiseScale, check_noise_state, effective_world_size, local_share
 from optim.optimizers.replicated import ReplicatedAdamS
 from optim.optimizers.window_order import WINDOW_ORDERS
@@ -185,7 +186,7 @@ class LocalAdamS(ReplicatedAdamS):
 
     def __init__(
         self,
-        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        params: ParamsT,
         lr: float = 1e-3,
         *,
         betas: tuple[float, float] = (0.9, 0.95),
@@ -260,7 +261,7 @@ class LocalAdamS(ReplicatedAdamS):
         return {} if self._s is None else {"exp_avg_sq": self._s}
 
     def _segment_update(
-        self, w: Tensor, state: dict[str, Tensor], g: Tensor, grp: dict[str, Any], wd: float, step: int
+        self, w: Tensor, state: dict[str, Tensor], g: Tensor, grp: ParamGroup, wd: float, step: int
     ) -> None:
         """AdamS; with the debiased normalizer the local phase takes the noise of one rank's gradient out.
 
@@ -350,24 +351,24 @@ class LocalAdamS(ReplicatedAdamS):
     def _own_state(self) -> dict[str, Tensor]:
         return self._avg.own_state()
 
-    def _check_shard(self, what: str, sh: dict[str, Any]) -> None:
+    def _check_shard(self, what: str, sh: StateDict) -> None:
         super()._check_shard(what, sh)
         if self.noise is not None:
             check_noise_state(sh.get("extra") or {})
 
-    def _copy_full(self, extra: dict[str, Any]) -> None:
+    def _copy_full(self, extra: StateDict) -> None:
         super()._copy_full(extra)
         if self.noise is not None:
             self.noise.load_state_dict(extra)
 
-    def _snapshot_extra(self) -> dict[str, Any]:
+    def _snapshot_extra(self) -> StateDict:
         return {**super()._snapshot_extra(), **({} if self.noise is None else {"noise_ema": self.noise.ema})}
 
-    def _extra_state(self) -> dict[str, Any]:
+    def _extra_state(self) -> StateDict:
         return {**super()._extra_state(), **({} if self.noise is None else self.noise.state_dict())}
 
     @torch.no_grad()
-    def restore_replica(self, snap: dict[str, Any]) -> None:
+    def restore_replica(self, snap: StateDict) -> None:
         """As :meth:`ReplicatedAdamS.restore_replica`, with the measured noise's EMAs (``normalizer="measured"``)."""
         if self.noise is not None:
             check_noise_state(snap.get("extra") or {})  # checked before anything is written

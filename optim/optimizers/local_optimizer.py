@@ -37,6 +37,7 @@ of one flat fp32 buffer.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -44,6 +45,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
+from torch.optim.optimizer import StateDict
 
 from bindings import ReduceOp
 from optim.optimizers.averaging import Averaging, ReplicaAverager
@@ -134,22 +136,22 @@ class LocalOptimizer(WrappingOptimizer):
         max_grad_norm: float = 0.0,
         group: Any = None,
     ) -> None:
-        self._given: dict[str, Any] = {
-            "density": density,
-            "schedule": schedule,
-            "warmup_steps": warmup_steps,
-            "wire_dtype": wire_dtype,
-            "wire_bits": wire_bits,
-            "window_order": window_order,
-            "overlap": overlap,
-            "noise": noise,
-            "average_moment": average_moment,
-        }
+        # checked in _check_settings, before the base class touches the model or the group
+        self._noise_given, self._moment_given = noise, average_moment
+        self._resolve = functools.partial(
+            Averaging.resolve,
+            density=density,
+            schedule=schedule,
+            warmup_steps=warmup_steps,
+            wire_dtype=wire_dtype,
+            wire_bits=wire_bits,
+            window_order=window_order,
+            overlap=overlap,
+        )
         super().__init__(optimizer, model, max_grad_norm=max_grad_norm, group=group)
 
     def _check_settings(self, optimizer: Optimizer) -> str:
-        given = dict(self._given)
-        noise, average_moment = given.pop("noise"), given.pop("average_moment")
+        noise, average_moment = self._noise_given, self._moment_given
         if noise not in NOISE:
             raise ValueError(f"Invalid noise: {noise!r} (must be one of {NOISE})")
         if noise in ("debias", "measured") and not _debiasable(optimizer):
@@ -166,7 +168,7 @@ class LocalOptimizer(WrappingOptimizer):
             )
         if average_moment == "auto" or not _debiasable(optimizer):
             average_moment = False  # auto: off (see the argument's documentation)
-        self.averaging = Averaging.resolve(**given, average_moment=average_moment)
+        self.averaging = self._resolve(average_moment=average_moment)
         """The averaging's settings, every ``"auto"`` resolved."""
         self.noise = noise if noise != "auto" else "measured" if _debiasable(optimizer) else "keep"
         """``"measured"``, ``"debias"`` or ``"keep"`` (``"auto"`` resolved)."""
@@ -352,14 +354,14 @@ class LocalOptimizer(WrappingOptimizer):
         """What the averaging keeps beside the wrapped optimizer's state, by name (anchor, residual)."""
         return {**self._full_state(), **self._avg.own_state()}
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         """The wrapped optimizer's state dict, plus ``"local"``: the step, this rank, the anchor and residual.
 
         Holds live tensors (copy or save it before the next step). With
         ``overlap``, the state before the averaging in flight lands.
         """
         b = self._bucket
-        local: dict[str, Any] = {"step": self._step, "rank": b.rank, "world_size": b.world_size}
+        local: StateDict = {"step": self._step, "rank": b.rank, "world_size": b.world_size}
         local.update(self.local_state)
         if self.noise_scale is not None:
             local.update(self.noise_scale.state_dict())
@@ -368,7 +370,7 @@ class LocalOptimizer(WrappingOptimizer):
         return {**self.optimizer.state_dict(), "local": local}
 
     @torch.no_grad()
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: StateDict) -> None:
         """Load a :meth:`state_dict` saved under any world size (same model); the parameters are not touched.
 
         Local: no communication. The residual of the codes is kept where this

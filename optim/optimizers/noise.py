@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.optim.optimizer import StateDict
 
 from bindings import ReduceOp
 from bindings.validate import check_int
@@ -52,7 +53,7 @@ def _check_columns(columns: object) -> None:
     check_int("columns", columns, low=1)
 
 
-def check_noise_state(state: dict[str, Any], key: str = "noise_ema") -> Tensor:
+def check_noise_state(state: StateDict, key: str = "noise_ema") -> Tensor:
     """Return ``state[key]``: :meth:`NoiseScale.state_dict`'s ``noise_ema`` or :meth:`MeanNorm.state_dict`'s.
 
     Raises:
@@ -186,7 +187,7 @@ class NoiseScale:
         """The EMAs (a copy)."""
         return {"noise_ema": self.ema.clone()}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: StateDict) -> None:
         """Load :meth:`state_dict`'s ``noise_ema``.
 
         Raises:
@@ -250,7 +251,7 @@ class MeanNorm:
         """The EMA and its step count (a copy)."""
         return {"clip_noise_ema": self.ema.clone()}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: StateDict) -> None:
         """Load :meth:`state_dict`'s ``clip_noise_ema``.
 
         Raises:

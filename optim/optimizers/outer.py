@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
+from torch.optim.optimizer import StateDict
 
 from bindings import ReduceOp
 from bindings.validate import check_int
@@ -167,19 +168,19 @@ class OuterLoop(WrappingOptimizer):
         """Nothing runs in the background: a no-op, for the callers of :meth:`optim.LocalOptimizer.close`."""
 
     # ------------------------------------------------------------------ state
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         """The wrapped optimizer's state dict, plus ``"outer"``: the step, this rank, the global parameters and more.
 
         Holds live tensors (copy or save it before the next step).
         """
         b = self._bucket
-        outer: dict[str, Any] = {"step": self._step, "rank": b.rank, "world_size": b.world_size}
+        outer: StateDict = {"step": self._step, "rank": b.rank, "world_size": b.world_size}
         outer["global_params"] = self._global
         outer.update(self._outer_state())
         return {**self.optimizer.state_dict(), "outer": outer}
 
     @torch.no_grad()
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: StateDict) -> None:
         """Load a :meth:`state_dict` of this model and settings; the parameters are not touched.
 
         Local: no communication.

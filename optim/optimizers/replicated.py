@@ -14,11 +14,11 @@ whole replica; restoring one needs no communication.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch.optim.optimizer import ParamsT, StateDict
 
 from bindings import ReduceOp
 from bindings.validate import check_density, check_int
@@ -49,7 +49,7 @@ class ReplicatedAdamS(ShardedAdamS):
 
     def __init__(
         self,
-        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        params: ParamsT,
         lr: float,
         *,
         betas: tuple[float, float],
@@ -142,7 +142,7 @@ class ReplicatedAdamS(ShardedAdamS):
         """The state this rank keeps beside its replica (first moment, anchor, residuals), by name."""
         return {name: t for name, t in self._saved_state().items() if name != "params"}
 
-    def _check_shard(self, what: str, sh: dict[str, Any]) -> None:
+    def _check_shard(self, what: str, sh: StateDict) -> None:
         super()._check_shard(what, sh)
         extra = sh.get("extra") or {}
         for name, mine in self._saved_state().items():
@@ -151,27 +151,27 @@ class ReplicatedAdamS(ShardedAdamS):
                 got = None if not isinstance(src, Tensor) else (tuple(src.shape), src.dtype)
                 raise ValueError(f"{what}: {name} should be {tuple(mine.shape)} {mine.dtype}, got {got}")
 
-    def _copy_full(self, extra: dict[str, Any]) -> None:
+    def _copy_full(self, extra: StateDict) -> None:
         for name, mine in self._saved_state().items():
             mine.copy_(extra[name])
         self._bucket.write_params(self._flat)
         self._master.copy_(self._bucket.own_slice(self._flat))
         self._master_wins = False  # the replica was loaded into the parameters themselves
 
-    def _snapshot_extra(self) -> dict[str, Any]:
+    def _snapshot_extra(self) -> StateDict:
         return dict(self._saved_state())
 
-    def _restore_extra(self, extra: dict[str, Any]) -> None:
+    def _restore_extra(self, extra: StateDict) -> None:
         self._copy_full(extra)
 
-    def _extra_state(self) -> dict[str, Any]:
+    def _extra_state(self) -> StateDict:
         return {n: t.clone() for n, t in self._saved_state().items()}
 
-    def _load_extra(self, extra: dict[str, Any]) -> None:
+    def _load_extra(self, extra: StateDict) -> None:
         self._copy_full(extra)
 
     @torch.no_grad()
-    def restore_replica(self, snap: dict[str, Any]) -> None:
+    def restore_replica(self, snap: StateDict) -> None:
         """Load a :meth:`snapshot_state` taken under any world size (same parameters): this rank's replica.
 
         The replica (parameters, first moment, residual) does not depend on the

@@ -33,11 +33,11 @@ Wire bytes: dense ops are counted by the communicator's stats under
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch.optim.optimizer import ParamsT, StateDict
 
 from bindings.validate import check_bool, check_choice, check_density, check_float, check_int
 from optim.optimizers.sharded import ShardedAdamS
@@ -95,7 +95,7 @@ class SCAPE(ShardedAdamS):
 
     def __init__(
         self,
-        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        params: ParamsT,
         lr: float = 1e-3,
         *,
         betas: tuple[float, float] = (0.9, 0.95),
@@ -301,7 +301,7 @@ class SCAPE(ShardedAdamS):
         b = self.bucket
         return self.mask_delay * b.world_size * k_for(b.numel, b.world_size, self.density) * 8
 
-    def _snapshot_extra(self) -> dict[str, Any]:
+    def _snapshot_extra(self) -> StateDict:
         # Masks of the next D steps were proposed before the last step: their
         # gathers had a step to finish. The newest one (step + D) is re-made on
         # restore from the restored first moment, bit for bit.
@@ -313,7 +313,7 @@ class SCAPE(ShardedAdamS):
                     masks[s] = m.indices
         return {"masks": masks, "residual": self._residual}
 
-    def _restore_extra(self, extra: dict[str, Any]) -> None:
+    def _restore_extra(self, extra: StateDict) -> None:
         b = self._bucket
         if (extra.get("residual") is None) != (self._residual is None):
             raise ValueError("snapshot: error_feedback setting differs from the saved state")
@@ -337,7 +337,7 @@ class SCAPE(ShardedAdamS):
                 self._sched.propose(made, self._scores(made))
 
     # ------------------------------------------------------------------ state
-    def _extra_state(self) -> dict[str, Any]:
+    def _extra_state(self) -> StateDict:
         masks: dict[int, ShardedMask] = {}
         if self._sched is not None:
             for s in range(self._step, self._step + self.mask_delay + 1):
@@ -351,7 +351,7 @@ class SCAPE(ShardedAdamS):
             "residual": None if self._residual is None else self._residual.clone(),
         }
 
-    def _load_extra(self, extra: dict[str, Any]) -> None:
+    def _load_extra(self, extra: StateDict) -> None:
         b = self._bucket
         if (extra.get("residual") is None) != (self._residual is None):
             raise ValueError("state_dict: error_feedback setting differs from the saved state")

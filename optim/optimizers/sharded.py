@@ -26,19 +26,20 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
+from torch.optim.optimizer import ParamsT, StateDict
 
 import sparsecomm.distributed as dist
 from bindings import ReduceOp
 from bindings.validate import check_float
 from optim.optimizers.adams import _validate_group, adams_step_
 from optim.optimizers.buckets import FlatBucket, Segment
-from optim.optimizers.capabilities import OptimizerCapabilities, StateLayout
+from optim.optimizers.capabilities import OptimizerCapabilities, ParamGroup, StateLayout
 from optim.optimizers.param_watch import ParamWatch
 
 __all__ = ["ShardedAdamS", "ShardedAdamW"]
@@ -73,8 +74,8 @@ class _ShardedOptimizer(Optimizer):
 
     def __init__(
         self,
-        params: Iterable[Tensor] | Iterable[dict[str, Any]],
-        defaults: dict[str, Any],
+        params: ParamsT,
+        defaults: ParamGroup,
         *,
         group: Any = None,
         max_grad_norm: float = 0.0,
@@ -109,7 +110,7 @@ class _ShardedOptimizer(Optimizer):
     def _agree(self, fp: int, error: ValueError | None) -> None:
         agree(self._comm, fp, error)
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
+    def add_param_group(self, param_group: ParamGroup) -> None:
         if not getattr(self, "_building", False):
             raise RuntimeError(f"{type(self).__name__}: param groups cannot be added after construction")
         super().add_param_group(param_group)
@@ -283,7 +284,7 @@ class _ShardedOptimizer(Optimizer):
             self._segment_update(w[a:z], part, g[a:z], grp, wd, step)
 
     def _segment_update(
-        self, w: Tensor, state: dict[str, Tensor], g: Tensor, grp: dict[str, Any], wd: float, step: int
+        self, w: Tensor, state: dict[str, Tensor], g: Tensor, grp: ParamGroup, wd: float, step: int
     ) -> None:
         raise NotImplementedError
 
@@ -312,7 +313,7 @@ class _ShardedOptimizer(Optimizer):
         """The communicator the optimizer synchronizes over."""
         return self._comm
 
-    def _check_shard(self, what: str, sh: dict[str, Any]) -> None:
+    def _check_shard(self, what: str, sh: StateDict) -> None:
         """Raise ``ValueError`` unless ``sh`` (a sharded state) fits this rank's layout, before anything changes."""
         b = self._bucket
         got = (sh.get("rank"), sh.get("world_size"), sh.get("numel"))
@@ -330,14 +331,14 @@ class _ShardedOptimizer(Optimizer):
                     f"{what}: {name} has shape {tuple(src.shape)} {src.dtype}, expected {tuple(dst.shape)} {dst.dtype}"
                 )
 
-    def _copy_shard(self, sh: dict[str, Any]) -> None:
+    def _copy_shard(self, sh: StateDict) -> None:
         self._master_wins = True
         self._master.copy_(sh["master"])
         for n, t in self._shard.items():
             t.copy_(sh["shard"][n])
         self._step = int(sh["step"])
 
-    def _extra_state(self) -> dict[str, Any]:
+    def _extra_state(self) -> StateDict:
         return {}
 
     # ------------------------------------------------------------------ snapshots
@@ -354,7 +355,7 @@ class _ShardedOptimizer(Optimizer):
         """Bytes a later :meth:`snapshot_state` may hold beyond the current one (its tensors keep their size)."""
         return 0
 
-    def snapshot_state(self) -> dict[str, Any]:
+    def snapshot_state(self) -> StateDict:
         """This rank's state after the last step, for an in-memory snapshot.
 
         The tensors are the live ones: encode (copy) the tree before the next
@@ -371,7 +372,7 @@ class _ShardedOptimizer(Optimizer):
             "extra": self._snapshot_extra(),
         }
 
-    def restore_snapshot(self, snap: dict[str, Any]) -> None:
+    def restore_snapshot(self, snap: StateDict) -> None:
         """Load a :meth:`snapshot_state` of this rank's layout.
 
         Collective: every rank must call this with snapshots of the same step
@@ -397,16 +398,16 @@ class _ShardedOptimizer(Optimizer):
     def abandon(self) -> None:
         """Forget collectives in flight on a failed transport (call before dropping the optimizer)."""
 
-    def _snapshot_extra(self) -> dict[str, Any]:
+    def _snapshot_extra(self) -> StateDict:
         return {}
 
-    def _restore_extra(self, extra: dict[str, Any]) -> None:
+    def _restore_extra(self, extra: StateDict) -> None:
         pass
 
-    def _load_extra(self, extra: dict[str, Any]) -> None:
+    def _load_extra(self, extra: StateDict) -> None:
         pass
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         """Per-rank sharded state: master shard, state shards, step (and SCAPE extras)."""
         sd = super().state_dict()
         b = self._bucket
@@ -421,7 +422,7 @@ class _ShardedOptimizer(Optimizer):
         }
         return sd
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: StateDict) -> None:
         """Load a state saved by the same rank of the same layout."""
         sh = state_dict.get("sharded")
         if sh is None:
@@ -489,7 +490,7 @@ def take_written(dst: Tensor, cur: Tensor, ref: Tensor) -> int:
 
 def _adams_defaults(
     lr: float, betas: Any, eps: float, weight_decay: float, bias_correction: bool, wd_min_ndim: int
-) -> dict[str, Any]:
+) -> StateDict:
     d = dict(
         lr=lr,
         betas=tuple(betas),
@@ -515,7 +516,7 @@ class ShardedAdamS(_ShardedOptimizer):
 
     def __init__(
         self,
-        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        params: ParamsT,
         lr: float = 1e-3,
         *,
         betas: tuple[float, float] = (0.9, 0.95),
@@ -533,7 +534,7 @@ class ShardedAdamS(_ShardedOptimizer):
         )
 
     def _segment_update(
-        self, w: Tensor, state: dict[str, Tensor], g: Tensor, grp: dict[str, Any], wd: float, step: int
+        self, w: Tensor, state: dict[str, Tensor], g: Tensor, grp: ParamGroup, wd: float, step: int
     ) -> None:
         beta1, beta2 = grp["betas"]
         adams_step_(
@@ -562,7 +563,7 @@ class ShardedAdamW(_ShardedOptimizer):
 
     def __init__(
         self,
-        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        params: ParamsT,
         lr: float = 1e-3,
         *,
         betas: tuple[float, float] = (0.9, 0.999),
@@ -576,7 +577,7 @@ class ShardedAdamW(_ShardedOptimizer):
         super().__init__(params, defaults, group=group, max_grad_norm=max_grad_norm, config="ShardedAdamW")
 
     def _segment_update(
-        self, w: Tensor, state: dict[str, Tensor], g: Tensor, grp: dict[str, Any], wd: float, step: int
+        self, w: Tensor, state: dict[str, Tensor], g: Tensor, grp: ParamGroup, wd: float, step: int
     ) -> None:
         beta1, beta2 = grp["betas"]
         lr = float(grp["lr"])

@@ -7,11 +7,11 @@ it shares with :class:`optim.optimizers.local.LocalAdamS`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch.optim.optimizer import ParamsT
 
 from optim.optimizers.replicated import ReplicatedAdamS
 
@@ -31,7 +31,7 @@ class TopKAdamS(ReplicatedAdamS):
 
     def __init__(
         self,
-        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        params: ParamsT,
         lr: float = 1e-3,
         *,
         betas: tuple[float, float] = (0.9, 0.95),

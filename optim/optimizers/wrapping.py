@@ -26,7 +26,7 @@ import sparsecomm.distributed as dist
 from bindings import ReduceOp
 from bindings.validate import check_float
 from optim.optimizers.buckets import FlatBucket
-from optim.optimizers.capabilities import OptimizerCapabilities, StateLayout, capabilities
+from optim.optimizers.capabilities import OptimizerCapabilities, ParamGroup, StateLayout, capabilities
 from optim.optimizers.noise import MeanNorm
 from optim.optimizers.sharded import agree
 
@@ -218,7 +218,7 @@ class WrappingOptimizer(Optimizer):
     def communicator(self) -> Any:
         return self._comm
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
+    def add_param_group(self, param_group: ParamGroup) -> None:
         if hasattr(self, "optimizer"):
             raise RuntimeError(f"{type(self).__name__}: param groups cannot be added after construction")
         super().add_param_group(param_group)

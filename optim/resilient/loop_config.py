@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
+from bindings.json_object import JsonObject
 from bindings.validate import check_bool, check_float, check_int
 from optim.state.training_state import Stateful
 
@@ -19,7 +19,7 @@ class BadStepsError(RuntimeError):
 
 
 #: ``on_event(name, fields)``: a hook for the job's own event log.
-EventHook = Callable[[str, dict[str, Any]], None]
+EventHook = Callable[[str, JsonObject], None]
 
 
 @dataclass(frozen=True, kw_only=True)

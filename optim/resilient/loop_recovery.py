@@ -21,9 +21,11 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+from torch.optim.optimizer import StateDict
 
 import sparsecomm.distributed as dist
 from bindings.errors import PeerFailureError
+from bindings.json_object import JsonObject
 from optim.optimizers.capabilities import StateLayout, capabilities
 from optim.resilient.loop_config import EventHook, ResilientConfig, Stateful
 from optim.resilient.step_health import StragglerDetector
@@ -97,7 +99,7 @@ class RecoveryRecord:
     rank: int
     phases: RecoveryPhases
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         """The record as JSON-ready fields (the ``restored`` event's, a result file's)."""
         return asdict(self)
 
@@ -249,11 +251,11 @@ class RecoverableRun:
             self._next = self._recover_until_ok(self._reconfigure())
 
     # ------------------------------------------------------------------ state
-    def _tree(self, step: int) -> dict[str, Any]:
+    def _tree(self, step: int) -> StateDict:
         history = (self.losses, self.skipped, self._bad_run)
         return ts.snapshot_tree(step, self.model, self._opt, self._sched, self._state, history)
 
-    def _load_common(self, tree: dict[str, Any]) -> None:
+    def _load_common(self, tree: StateDict) -> None:
         self.losses, self.skipped, self._bad_run = ts.load_common(tree, self.model, self._opt, self._sched, self._state)
 
     def _build(self) -> None:
@@ -266,12 +268,12 @@ class RecoverableRun:
         self._fingerprint = model_fingerprint(self.model, self._opt)
         self._sched = self._sched_factory(self._opt) if self._sched_factory is not None else None
 
-    def _restore_replica(self, tree: dict[str, Any]) -> None:
+    def _restore_replica(self, tree: StateDict) -> None:
         """Load a whole replica (a replicated or plain optimizer's) into the optimizer just built."""
         ts.load_replica(self.model, self._opt, tree["optim"])
         self._load_common(tree)
 
-    def _restore(self, tree: dict[str, Any] | None) -> None:
+    def _restore(self, tree: StateDict | None) -> None:
         """Rebuild the optimizer and load ``tree`` (``None``: the initial state). Collective."""
         if tree is None:
             self.skipped, self._bad_run = [], 0
@@ -358,7 +360,7 @@ class RecoverableRun:
                 if old_slot >= 0:
                     self._load_common(held[0][1])
         else:
-            tree: dict[str, Any] | None = None
+            tree: StateDict | None = None
             if restore_step > 0:  # 0: the initial state, rebuilt from the seed (no snapshot needed)
                 tree = self._snaps.fetch(restore_step, old_slot, plan)
             transfer_s = laps.lap()

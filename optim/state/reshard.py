@@ -9,9 +9,8 @@ then takes its shard of the new layout.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
+from torch.optim.optimizer import StateDict
 
 import sparsecomm.distributed as dist
 from optim.optimizers.capabilities import SnapshotOptimizer
@@ -20,7 +19,7 @@ __all__ = ["gather_full_state", "restore_resharded"]
 
 
 def gather_full_state(
-    optimizer: SnapshotOptimizer, held: list[tuple[int, dict[str, Any]]], old_world: int
+    optimizer: SnapshotOptimizer, held: list[tuple[int, StateDict]], old_world: int
 ) -> dict[str, torch.Tensor]:
     """The whole flat optimizer state of one step, on every member. Collective.
 

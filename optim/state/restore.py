@@ -16,9 +16,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
 
 import torch
+from torch.optim.optimizer import StateDict
 
 import sparsecomm.distributed as dist
 from optim.state.run_stats import SnapshotStats
@@ -146,7 +146,7 @@ class SlotSnapshots:
         self.put_s: list[float] = []
         self._persist_error: str | None = None
 
-    def put(self, step: int, tree: dict[str, Any], persist: Callable[[torch.Tensor], None] | None = None) -> None:
+    def put(self, step: int, tree: StateDict, persist: Callable[[torch.Tensor], None] | None = None) -> None:
         """Hold the state after ``step``: collected by the caller, copied and replicated by the replicator thread.
 
         The copy overlaps the next step's forward and backward; :meth:`settle`
@@ -268,14 +268,14 @@ class SlotSnapshots:
         table = [ReportRow.from_ints(r) for r in rows.view(comm.world_size, ROW_LEN).tolist()]
         return plan_restore(table, old_world, snapshots), old_slot
 
-    def own_tree(self, step: int) -> dict[str, Any]:
+    def own_tree(self, step: int) -> StateDict:
         """This slot's own snapshot of ``step``."""
         buf = self.own.get(step)
         if buf is None:
             raise UnrecoverableStateError(f"no own snapshot of step {step}")
         return decode_tree(buf)  # type: ignore[no-any-return]
 
-    def held_trees(self, step: int, old_slot: int, plan: RestorePlan) -> list[tuple[int, dict[str, Any]]]:
+    def held_trees(self, step: int, old_slot: int, plan: RestorePlan) -> list[tuple[int, StateDict]]:
         """Every snapshot of ``step`` this member holds, by old slot: its own first, then its wards'."""
         mine = [(old_slot, self.own_tree(step))] if old_slot >= 0 else []
         for lost, holder in plan.holders.items():
@@ -286,11 +286,11 @@ class SlotSnapshots:
                 mine.append((lost, decode_tree(buf)))
         return mine
 
-    def fetch(self, step: int, old_slot: int, plan: RestorePlan) -> dict[str, Any]:
+    def fetch(self, step: int, old_slot: int, plan: RestorePlan) -> StateDict:
         """This rank's snapshot of ``step`` under hot-swap: its own, or sent by the buddy of a lost slot. Collective."""
         comm = self.comm
         size = torch.zeros(1, dtype=torch.int64)
-        received: dict[str, Any] | None = None
+        received: StateDict | None = None
         for lost, holder in sorted(plan.holders.items()):
             target = lost  # hot-swap: the lost slot's new holder has the same rank
             buf: torch.Tensor | None = None

@@ -7,7 +7,8 @@ names the committed result files use.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+
+from bindings.json_object import JsonObject
 
 __all__ = ["SlotFileInfo", "SnapshotStats", "StateStats", "WrittenFile"]
 
@@ -30,7 +31,7 @@ class WrittenFile:
     nbytes: int
     seconds: float
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         """The JSON object of the record (``nbytes`` under ``bytes``)."""
         return {"step": self.step, "slot": self.slot, "kind": self.kind, "bytes": self.nbytes, "seconds": self.seconds}
 
@@ -59,7 +60,7 @@ class SlotFileInfo:
     disk_bytes: int
     full_bytes: int
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         """The JSON object of the record (``disk_bytes`` under ``bytes``)."""
         return {
             "step": self.step,
@@ -91,7 +92,7 @@ class SnapshotStats:
     replicated_bytes: int
     replication_busy_s: float
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         """The JSON object of the record (the rings' sizes as ``snapshot_bytes: [own, ward]``)."""
         return {
             "snapshot_ms_median": self.snapshot_ms_median,
@@ -113,6 +114,6 @@ class StateStats:
     snapshots: SnapshotStats
     checkpoints: tuple[WrittenFile, ...] = ()
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         """The JSON object: the snapshot fields and ``checkpoints``, a list of written files."""
         return {**self.snapshots.to_json(), "checkpoints": [w.to_json() for w in self.checkpoints]}

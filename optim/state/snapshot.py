@@ -31,6 +31,7 @@ import torch
 
 from bindings.base import Communicator
 from bindings.errors import CommError
+from bindings.json_object import JsonObject
 from bindings.validate import check_int
 
 __all__ = [
@@ -94,7 +95,7 @@ def encode_tree(tree: Any, out: torch.Tensor | None = None) -> torch.Tensor:
         raise TypeError(f"snapshot: cannot store a {type(node).__name__}")
 
     shape_tree = walk(tree)
-    metas: list[dict[str, Any]] = []
+    metas: list[JsonObject] = []
     offset = 0
     for t in tensors:
         nbytes = t.numel() * t.element_size()

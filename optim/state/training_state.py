@@ -17,6 +17,7 @@ from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.optim.optimizer import StateDict
 
 import sparsecomm.distributed as dist
 from optim.optimizers.capabilities import ReplicaSnapshotOptimizer, SnapshotOptimizer, StateLayout, capabilities
@@ -44,11 +45,11 @@ History = tuple[dict[int, float], list[int], int]
 class Stateful(Protocol):
     """Anything whose state a snapshot can hold: an LR scheduler, a ``GradScaler``, a data-loader position."""
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         """The state (tensors, numbers, strings, lists and dicts of them)."""
         ...
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: StateDict) -> None:
         """Load what :meth:`state_dict` returned."""
         ...
 
@@ -71,7 +72,7 @@ def snapshot_tree(
     sched: Stateful | None,
     state: Mapping[str, Stateful],
     history: History,
-) -> dict[str, Any]:
+) -> StateDict:
     """The snapshot tree of ``step`` (live optimizer tensors: encode it before the next step)."""
     if capabilities(opt).own_snapshots:
         optim_state: Any = cast(SnapshotOptimizer, opt).snapshot_state()
@@ -130,7 +131,7 @@ def snapshot_headroom(opt: torch.optim.Optimizer, total_steps: int) -> int:
 
 
 def load_common(
-    tree: dict[str, Any],
+    tree: StateDict,
     model: torch.nn.Module,
     opt: torch.optim.Optimizer,
     sched: Stateful | None,
@@ -156,7 +157,7 @@ def load_common(
     return {int(k): float(v) for k, v in tree["losses"].tolist()}, [int(s) for s in skipped], int(bad_run)
 
 
-def load_plain(model: torch.nn.Module, opt: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+def load_plain(model: torch.nn.Module, opt: torch.optim.Optimizer, saved: StateDict) -> None:
     """Load a plain optimizer's snapshot: the replicated parameters and its ``state_dict()``."""
     params = dict(model.named_parameters())
     with torch.no_grad():
@@ -165,7 +166,7 @@ def load_plain(model: torch.nn.Module, opt: torch.optim.Optimizer, saved: dict[s
     opt.load_state_dict(saved["state_dict"])
 
 
-def load_snapshot(model: torch.nn.Module, opt: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+def load_snapshot(model: torch.nn.Module, opt: torch.optim.Optimizer, saved: StateDict) -> None:
     """Load the optimizer part of a snapshot of this rank's slot, taken under the current layout. Collective.
 
     An optimizer that snapshots itself restores its state and rebuilds the
@@ -179,7 +180,7 @@ def load_snapshot(model: torch.nn.Module, opt: torch.optim.Optimizer, saved: dic
         load_plain(model, opt, saved)
 
 
-def load_replica(model: torch.nn.Module, opt: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+def load_replica(model: torch.nn.Module, opt: torch.optim.Optimizer, saved: StateDict) -> None:
     """Load the optimizer part of a snapshot taken under any world size into a replicated or plain ``opt``. Local.
 
     Raises:
