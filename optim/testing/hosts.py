@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from bindings.json_object import JsonObject
 from bindings.spawn import ForkedPython
 from bindings.validate import check_int
 from optim.apps.paths import pythonpath_env
@@ -397,16 +398,16 @@ class HostsJob:
         self.workers = [start(1 + s, "active", s) for s in range(workers)]
         self.spares = [start(1 + workers + k, "spare", -1) for k in range(spares)]
 
-    def events(self, name: str, **match: Any) -> list[dict[str, Any]]:
+    def events(self, name: str, **match: Any) -> list[JsonObject]:
         """The coordinator's events of kind ``name`` with the given field values."""
         recs = read_events(self.events_path, missing_ok=True)
         return [e for e in recs if e["event"] == name and all(e.get(k) == v for k, v in match.items())]
 
-    def wait_event(self, name: str, timeout: float, **match: Any) -> dict[str, Any]:
+    def wait_event(self, name: str, timeout: float, **match: Any) -> JsonObject:
         """The first such event, once there is one (``TimeoutError`` after ``timeout`` s)."""
         return wait_for(lambda: self.events(name, **match), timeout, f"coordinator event {name} {match}", 0.01)[0]
 
-    def log(self, pid: int) -> list[dict[str, Any]]:
+    def log(self, pid: int) -> list[JsonObject]:
         """Drill log of process ``pid``."""
         return read_events(self.log_dir / f"{pid}.jsonl", missing_ok=True)
 

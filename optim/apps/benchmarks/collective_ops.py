@@ -31,11 +31,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
-from typing import Any
 
 import torch
 
 import sparsecomm.distributed as dist
+from bindings.json_object import JsonObject
 from bindings.reference import raw_collectives
 from bindings.spawn import mpirun_python, run_local
 from optim.apps.benchmarks.sparse_ops import bench_sparse_rank
@@ -98,7 +98,7 @@ class CollectivesBenchConfig:
     """Value types of the sparse rows."""
     timeout_s: float = 1800.0
     """Deadline of each backend's whole job."""
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: JsonObject = field(default_factory=dict)
     """Free-form notes copied into every row."""
 
     def __post_init__(self) -> None:
@@ -169,7 +169,7 @@ def _wrong(
     return int((result != n * (n + 1) // 2).sum())
 
 
-def bench_collectives_rank(config: CollectivesBenchConfig) -> list[dict[str, Any]]:
+def bench_collectives_rank(config: CollectivesBenchConfig) -> list[JsonObject]:
     """Measure every row on this rank; rows come back identical on every rank.
 
     Collective: every rank of the default group must call this.
@@ -177,7 +177,7 @@ def bench_collectives_rank(config: CollectivesBenchConfig) -> list[dict[str, Any
     comm = dist.get_communicator()
     n, rank = comm.world_size, comm.rank
     raw_name, raw = raw_collectives(comm)
-    rows: list[dict[str, Any]] = []
+    rows: list[JsonObject] = []
     for op in config.ops:
         for dname in config.dtypes:
             dtype = _DTYPES[dname]
@@ -237,7 +237,7 @@ def bench_collectives_rank(config: CollectivesBenchConfig) -> list[dict[str, Any
     return rows
 
 
-def _rank_rows(config: CollectivesBenchConfig) -> list[dict[str, Any]]:
+def _rank_rows(config: CollectivesBenchConfig) -> list[JsonObject]:
     rows = bench_collectives_rank(config) if config.dense else []
     if config.sparse:
         rows += bench_sparse_rank(
@@ -250,7 +250,7 @@ def _rank_rows(config: CollectivesBenchConfig) -> list[dict[str, Any]]:
     return rows
 
 
-def _gloo_rank(rank: int, world_size: int, config: CollectivesBenchConfig) -> list[dict[str, Any]]:
+def _gloo_rank(rank: int, world_size: int, config: CollectivesBenchConfig) -> list[JsonObject]:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
@@ -263,9 +263,9 @@ def _gloo_rank(rank: int, world_size: int, config: CollectivesBenchConfig) -> li
         dist.destroy_process_group()
 
 
-def run_collectives_bench(config: CollectivesBenchConfig) -> list[dict[str, Any]]:
+def run_collectives_bench(config: CollectivesBenchConfig) -> list[JsonObject]:
     """Launch one local job per backend and return all rows (from rank 0)."""
-    rows: list[dict[str, Any]] = []
+    rows: list[JsonObject] = []
     for backend in config.backends:
         logger.info("benchmarking %s on %d local ranks", backend, config.nproc)
         if backend == "gloo":
@@ -275,7 +275,7 @@ def run_collectives_bench(config: CollectivesBenchConfig) -> list[dict[str, Any]
     return rows
 
 
-def _run_under_mpirun(config: CollectivesBenchConfig) -> list[dict[str, Any]]:
+def _run_under_mpirun(config: CollectivesBenchConfig) -> list[JsonObject]:
     with tempfile.TemporaryDirectory(prefix="sc-bench-") as tmp:
         cfg_path = os.path.join(tmp, "config.json")
         out_path = os.path.join(tmp, "rows.json")

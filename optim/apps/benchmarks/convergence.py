@@ -30,8 +30,8 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
+from bindings.json_object import JsonObject
 from bindings.validate import check_density
 from optim.apps.benchmarks.output import git_commit
 from optim.apps.train_job.job_config import SPARSE_OPTIMIZERS, TrainConfig
@@ -62,7 +62,7 @@ ADAMW_TARGETS = {0.1: 1.03, 0.01: 1.06}
 
 logger = logging.getLogger(__name__)
 
-OnRun = Callable[[dict[str, Any]], None]
+OnRun = Callable[[JsonObject], None]
 
 
 METHODS = (
@@ -118,7 +118,7 @@ float32 average and plain AdamS (``periodic``); TopKAdamS (top-k + error feedbac
 and :class:`optim.SparseLoCo` (``sparseloco``: period and chunk-wise top-k of
 :func:`optim.optimizers.sparseloco.sparseloco_plan`, 2-bit codes, error feedback as outer momentum)."""
 
-_METHOD_OVERRIDES: dict[str, dict[str, Any]] = {
+_METHOD_OVERRIDES: dict[str, JsonObject] = {
     "scape": {"optimizer": "scape"},
     "local": {
         "optimizer": "local-adams",
@@ -269,9 +269,9 @@ for _name, _ov in _METHOD_OVERRIDES.items():  # the variants measured before ave
 
 def convergence_variants(
     densities: Sequence[float], methods: Sequence[str] = ("scape",)
-) -> list[tuple[str, dict[str, Any]]]:
+) -> list[tuple[str, JsonObject]]:
     """Return ``(name, TrainConfig overrides)`` of every run: AdamW, AdamS, then each method per density."""
-    out: list[tuple[str, dict[str, Any]]] = [("adamw", {"optimizer": "adamw"}), ("adams", {"optimizer": "adams"})]
+    out: list[tuple[str, JsonObject]] = [("adamw", {"optimizer": "adamw"}), ("adams", {"optimizer": "adams"})]
     for m in methods:
         if m not in _METHOD_OVERRIDES:
             raise ValueError(f"method must be one of {METHODS}, got {m!r}")
@@ -300,7 +300,7 @@ def largest_loss_rise(losses: Sequence[float], first_step: int) -> tuple[float, 
     return best, at
 
 
-def summarize_run(name: str, config: TrainConfig, result: TrainResult) -> dict[str, Any]:
+def summarize_run(name: str, config: TrainConfig, result: TrainResult) -> JsonObject:
     """Reduce rank 0's :func:`~optim.apps.train_job.train.train_worker` result to the benchmark's record."""
     steps = result.steps
     warm = config.warmup_steps
@@ -343,7 +343,7 @@ REUSE = ("commit", "any", "none")
 """Which stored run files :func:`run_convergence` takes: written at this commit, at any commit, or none."""
 
 
-def _stored_run(path: Path | None, commit: str, reuse: str) -> dict[str, Any] | None:
+def _stored_run(path: Path | None, commit: str, reuse: str) -> JsonObject | None:
     """The record in ``path`` if ``reuse`` allows its commit (``"commit"``: this one, a known one), else ``None``."""
     if path is None or reuse == "none" or not path.is_file() or (reuse == "commit" and commit == "unknown"):
         return None
@@ -366,7 +366,7 @@ def run_convergence(
     on_run: OnRun | None = None,
     runs_dir: str | Path | None = None,
     reuse: str = "commit",
-) -> dict[str, Any]:
+) -> JsonObject:
     """Train ``base`` with every variant of :func:`convergence_variants`; return the benchmark record.
 
     Args:
@@ -395,7 +395,7 @@ def run_convergence(
     if reuse not in REUSE:
         raise ValueError(f"Invalid reuse: {reuse!r} (must be one of {REUSE})")
     t_all = time.perf_counter()
-    runs: list[dict[str, Any]] = []
+    runs: list[JsonObject] = []
     commit = git_commit()
     for name, overrides in convergence_variants(densities, methods):
         config = dataclasses.replace(base, **overrides)

@@ -31,6 +31,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 import sparsecomm.distributed as dist
+from bindings.json_object import JsonObject
 from bindings.spawn import run_local
 from bindings.stats import CommStats, ring_bytes
 from optim.apps.train_job.data import load_corpus, sample_batch
@@ -86,7 +87,7 @@ class HookBenchConfig:
             context=self.context, d_model=self.d_model, n_layers=self.n_layers, n_heads=self.n_heads, dropout=0.0
         )
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> JsonObject:
         """The fields as a JSON-serialisable dict."""
         d = asdict(self)
         d["densities"] = list(self.densities)
@@ -109,7 +110,7 @@ def _register(config: HookBenchConfig, ddp: DistributedDataParallel, name: str) 
     return register_hook(ddp, "allreduce")
 
 
-def _run_variant(config: HookBenchConfig, rank: int, ws: int, name: str, corpus: Any) -> dict[str, Any]:
+def _run_variant(config: HookBenchConfig, rank: int, ws: int, name: str, corpus: Any) -> JsonObject:
     torch.manual_seed(config.seed)
     model = GPT(config.model_config())
     ddp = DistributedDataParallel(model, bucket_cap_mb=config.bucket_cap_mb)
@@ -169,7 +170,7 @@ def _run_variant(config: HookBenchConfig, rank: int, ws: int, name: str, corpus:
     }
 
 
-def _rank_main(rank: int, ws: int, config: HookBenchConfig) -> list[dict[str, Any]]:
+def _rank_main(rank: int, ws: int, config: HookBenchConfig) -> list[JsonObject]:
     torch.set_num_threads(config.threads)
     dist.init_process_group("gloo", timeout=timedelta(seconds=config.comm_timeout_s))
     try:
@@ -188,7 +189,7 @@ def _rank_main(rank: int, ws: int, config: HookBenchConfig) -> list[dict[str, An
         dist.destroy_process_group()
 
 
-def run_hook_bench(config: HookBenchConfig) -> dict[str, Any]:
+def run_hook_bench(config: HookBenchConfig) -> JsonObject:
     """Spawn the ranks, run every variant; return ``config``, ``rows`` (rank 0's, ratios to ``ddp`` added).
 
     Raises:

@@ -22,8 +22,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+from bindings.json_object import JsonObject
 from bindings.validate import check_float, check_int
 from optim.apps.paths import pythonpath_env
 from optim.testing.hosts import HostProcess, Hosts, parse_rate, unavailable, wait_for
@@ -34,7 +34,7 @@ _CHUNK = 1 << 20
 _MB = 1 << 20
 
 
-def _recv(host: str, port: int) -> dict[str, Any]:
+def _recv(host: str, port: int) -> JsonObject:
     """Accept one connection, read to EOF; bytes and seconds from the first byte to EOF."""
     with socket.create_server((host, port)) as server:
         server.settimeout(60)
@@ -54,7 +54,7 @@ def _recv(host: str, port: int) -> dict[str, Any]:
     return {"bytes": total, "seconds": seconds, "first_bytes": first}
 
 
-def _send(host: str, port: int, nbytes: int) -> dict[str, Any]:
+def _send(host: str, port: int, nbytes: int) -> JsonObject:
     """Connect (retrying for 30 s) and send ``nbytes``."""
     deadline = time.monotonic() + 30
     while True:
@@ -75,7 +75,7 @@ def _send(host: str, port: int, nbytes: int) -> dict[str, Any]:
     return {"sent": nbytes}
 
 
-def _allreduce(nbytes: int, iters: int) -> dict[str, Any]:
+def _allreduce(nbytes: int, iters: int) -> JsonObject:
     """One rank of a dense gloo all_reduce through the drop-in API (torchrun environment): seconds per all_reduce
     of ``nbytes``."""
     import torch
@@ -130,18 +130,18 @@ def _probe(hosts: Hosts, host: int, args: Sequence[str], out: Path, env: dict[st
     return hosts.run(host, argv, env={**pythonpath_env(), **(env or {})}, output=str(out))
 
 
-def _result(proc: HostProcess, out: Path, timeout: float) -> dict[str, Any]:
+def _result(proc: HostProcess, out: Path, timeout: float) -> JsonObject:
     code = proc.wait(timeout=timeout)
     lines = [ln for ln in out.read_text().splitlines() if ln.startswith("{")] if out.exists() else []
     if code != 0 or not lines:
         raise RuntimeError(f"link probe failed (exit {code}): {out.read_text()[-2000:] if out.exists() else ''}")
-    result: dict[str, Any] = json.loads(lines[-1])
+    result: JsonObject = json.loads(lines[-1])
     return result
 
 
 def measure_link(
     hosts: Hosts, workdir: Path, *, a: int = 0, b: int = 1, tcp_bytes: int, allreduce_bytes: int, iters: int = 3
-) -> dict[str, Any]:
+) -> JsonObject:
     """Measure the link between hosts ``a`` and ``b``: a TCP transfer of ``tcp_bytes`` from ``a`` to ``b`` and a
     dense gloo all_reduce of ``allreduce_bytes`` between them (one rank in each).
 
@@ -186,8 +186,8 @@ def tcp_bytes_for(rate: int | None, seconds: float) -> int:
 
 
 def run_link_bench(
-    config: LinkBenchConfig, workdir: Path, on_row: Callable[[dict[str, Any]], None] | None = None
-) -> dict[str, Any]:
+    config: LinkBenchConfig, workdir: Path, on_row: Callable[[JsonObject], None] | None = None
+) -> JsonObject:
     """For each rate of ``config``: two fresh hosts with that rate, :func:`measure_link` between them.
 
     Raises:

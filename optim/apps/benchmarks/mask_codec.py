@@ -13,10 +13,10 @@ import argparse
 import statistics
 import sys
 import time
-from typing import Any
 
 import torch
 
+from bindings.json_object import JsonObject
 from sparsecomm.mask import ENCODINGS, decode_piece, encode_piece
 
 __all__ = ["bench_mask_codec", "format_mask_codec_table", "main"]
@@ -24,7 +24,7 @@ __all__ = ["bench_mask_codec", "format_mask_codec_table", "main"]
 
 def bench_mask_codec(
     shard_size: int = 4_000_000, k: int = 40_000, repeats: int = 7, seed: int = 0
-) -> list[dict[str, Any]]:
+) -> list[JsonObject]:
     """Time encode + decode of ``k`` random sorted positions of a ``shard_size`` shard, per encoding.
 
     Args:
@@ -69,7 +69,7 @@ def bench_mask_codec(
     return rows
 
 
-def format_mask_codec_table(rows: list[dict[str, Any]]) -> str:
+def format_mask_codec_table(rows: list[JsonObject]) -> str:
     """The rows of :func:`bench_mask_codec` as a text table."""
     lines = [f"{'encoding':>12} {'shard_size':>11} {'k':>9} {'bytes':>9} {'median ms':>10} {'min ms':>8}"]
     for r in rows:

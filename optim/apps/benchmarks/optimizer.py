@@ -53,6 +53,7 @@ from typing import Any
 import torch
 
 import sparsecomm.distributed as dist
+from bindings.json_object import JsonObject
 from bindings.spawn import run_local
 from bindings.stats import op_delta
 from optim.apps.train_job.data import VOCAB_SIZE
@@ -150,7 +151,7 @@ class OptimizerBenchConfig:
             threads=self.threads,
         )
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> JsonObject:
         """The fields as a JSON-serialisable dict."""
         d = asdict(self)
         d["densities"] = list(self.densities)
@@ -209,7 +210,7 @@ def _state_bytes(opt: Any) -> dict[str, int]:
 
 def _run_variant(
     config: OptimizerBenchConfig, rank: int, world_size: int, optimizer: str, density: float, variant: str
-) -> dict[str, Any]:
+) -> JsonObject:
     """Time one optimizer on this rank; return rank-local medians, bytes and state sizes."""
     torch.manual_seed(config.seed)
     model = GPT(config.model_config())
@@ -282,7 +283,7 @@ def _run_variant(
     return out
 
 
-def optimizer_bench_worker(rank: int, world_size: int, config: OptimizerBenchConfig) -> dict[str, Any]:
+def optimizer_bench_worker(rank: int, world_size: int, config: OptimizerBenchConfig) -> JsonObject:
     """Run every variant as one rank of an initialised default group; return this rank's results.
 
     Collective: every rank of the group must call this with the same config. The
@@ -328,7 +329,7 @@ def optimizer_bench_worker(rank: int, world_size: int, config: OptimizerBenchCon
     }
 
 
-def summarize_ranks(config: OptimizerBenchConfig, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize_ranks(config: OptimizerBenchConfig, per_rank: list[JsonObject]) -> JsonObject:
     """Merge every rank's :func:`optimizer_bench_worker` result into one row per variant.
 
     A row holds the timings (max over ranks of the medians, ms), rank 0's wire
@@ -378,7 +379,7 @@ def summarize_ranks(config: OptimizerBenchConfig, per_rank: list[dict[str, Any]]
     }
 
 
-def _rank_main(rank: int, world_size: int, config: OptimizerBenchConfig) -> dict[str, Any]:
+def _rank_main(rank: int, world_size: int, config: OptimizerBenchConfig) -> JsonObject:
     torch.set_num_threads(config.threads)
     dist.init_process_group("gloo", timeout=timedelta(seconds=config.comm_timeout_s))
     try:
@@ -387,7 +388,7 @@ def _rank_main(rank: int, world_size: int, config: OptimizerBenchConfig) -> dict
         dist.destroy_process_group()
 
 
-def run_optimizer_bench(config: OptimizerBenchConfig) -> dict[str, Any]:
+def run_optimizer_bench(config: OptimizerBenchConfig) -> JsonObject:
     """Spawn ``config.nproc`` local gloo ranks, run every variant, return :func:`summarize_ranks`'s dict.
 
     Raises:

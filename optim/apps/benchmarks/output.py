@@ -15,9 +15,10 @@ import logging
 import platform
 import subprocess
 from pathlib import Path
-from typing import Any
 
 import torch
+
+from bindings.json_object import JsonObject
 
 __all__ = ["Table", "bench_env", "git_commit", "markdown_table", "text_table", "write_bench_json"]
 
@@ -93,7 +94,7 @@ def bench_env() -> dict[str, str]:
     }
 
 
-def write_bench_json(path: str | Path, bench: dict[str, Any]) -> Path:
+def write_bench_json(path: str | Path, bench: JsonObject) -> Path:
     """Write ``bench`` plus an ``env`` entry (:func:`bench_env`) to ``path`` (parents created); return the path.
 
     ``bench`` should hold the resolved configuration of the run (under

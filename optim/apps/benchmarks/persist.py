@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bindings.json_object import JsonObject
 from bindings.validate import check_int
 from optim.apps.train_job.job_config import TrainConfig
 from optim.apps.train_job.resilient_job import ResilienceConfig, run_resilient_training
@@ -149,7 +150,7 @@ class PersistBenchConfig:
         )
 
 
-def step_times(events: list[dict[str, Any]]) -> dict[int, float]:
+def step_times(events: list[JsonObject]) -> dict[int, float]:
     """Seconds of each committed step, the max over ranks (the step's critical path)."""
     out: dict[int, float] = {}
     for e in events:
@@ -172,7 +173,7 @@ def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
-def _restore_times(store: CheckpointStore, world: int, fingerprint: str) -> dict[str, Any]:
+def _restore_times(store: CheckpointStore, world: int, fingerprint: str) -> JsonObject:
     """Milliseconds to read and decode the newest step (its chain of deltas) and one full file, worst slot."""
     newest = store.complete_steps(world)[-1]
 
@@ -200,7 +201,7 @@ def _run(config: PersistBenchConfig, name: str, label: str, train: TrainConfig, 
     return run
 
 
-def _lossy(config: PersistBenchConfig, name: str, optimizer: str, density: float, ckpt: Path) -> dict[str, Any]:
+def _lossy(config: PersistBenchConfig, name: str, optimizer: str, density: float, ckpt: Path) -> JsonObject:
     """The lossy run's files, and the validation loss of a resume from its checkpoint and from ``ckpt``'s."""
     base = Path(config.out) / name
     lossy_ckpt = base / "checkpoints-lossy"
@@ -216,7 +217,7 @@ def _lossy(config: PersistBenchConfig, name: str, optimizer: str, density: float
     _run(config, name, "lossy", config.train_config(optimizer, density, str(base / "lossy")), res)
     files = checkpoint_files(CheckpointStore(lossy_ckpt, keep=config.steps))
     packed = [f.disk_bytes for f in files if f.kind == "lossy"]
-    out: dict[str, Any] = {
+    out: JsonObject = {
         "bytes_lossy": _median([float(b) for b in packed]),
         "bytes_per_checkpoint_lossy": sum(f.disk_bytes for f in files) / max(1, len({f.step for f in files})),
     }
@@ -230,7 +231,7 @@ def _lossy(config: PersistBenchConfig, name: str, optimizer: str, density: float
     return out
 
 
-def _row(config: PersistBenchConfig, optimizer: str, density: float) -> dict[str, Any]:
+def _row(config: PersistBenchConfig, optimizer: str, density: float) -> JsonObject:
     name = optimizer if optimizer != "scape" else f"scape-{density:g}"
     base = Path(config.out) / name
     ckpt = base / "checkpoints"
@@ -265,7 +266,7 @@ def _row(config: PersistBenchConfig, optimizer: str, density: float) -> dict[str
     overlapping = [t for s, t in with_t.items() if (s - 1) % config.every == 0]
     others = [t for s, t in with_t.items() if (s - 1) % config.every != 0]
     extra = (statistics.median(overlapping) - statistics.median(others)) if overlapping and others else None
-    row: dict[str, Any] = {
+    row: JsonObject = {
         "name": name,
         "optimizer": optimizer,
         "density": density,
@@ -294,8 +295,8 @@ def _row(config: PersistBenchConfig, optimizer: str, density: float) -> dict[str
 
 
 def run_persist_bench(
-    config: PersistBenchConfig, *, on_row: Callable[[dict[str, Any]], None] | None = None
-) -> dict[str, Any]:
+    config: PersistBenchConfig, *, on_row: Callable[[JsonObject], None] | None = None
+) -> JsonObject:
     """Run every optimizer's pair of runs; return ``config`` and ``rows``."""
     t0 = time.time()
     specs = [("scape", d) for d in config.densities] + ([("adams", 1.0)] if config.dense else [])

@@ -45,8 +45,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
+from bindings.json_object import JsonObject
 from bindings.validate import check_int
 from optim.apps.paths import pythonpath_env
 from optim.testing.drill import command as drill_command
@@ -109,18 +109,18 @@ class RecoveryBenchConfig:
                 raise ValueError(f"{name}: bad value {getattr(self, name)!r}")
 
 
-def _read_logs(directory: Path) -> dict[int, list[dict[str, Any]]]:
+def _read_logs(directory: Path) -> dict[int, list[JsonObject]]:
     """The drill processes' event files, by pid."""
     return {int(path.stem): recs for path, recs in read_event_dir(directory).items()}
 
 
-def _committed(logs: dict[int, list[dict[str, Any]]], pid: int) -> int:
+def _committed(logs: dict[int, list[JsonObject]], pid: int) -> int:
     return max((r["step"] for r in logs.get(pid, []) if r["event"] == "committed"), default=-1)
 
 
 def run_recovery_scenario(
     nproc: int, fault: str, config: RecoveryBenchConfig, *, workdir: str | Path | None = None
-) -> dict[str, Any]:
+) -> JsonObject:
     """Run one job, inject one fault, return the phase times (seconds from the signal)."""
     if fault not in FAULTS:
         raise ValueError(f"fault: choose from {list(FAULTS)}, got {fault!r}")
@@ -185,7 +185,7 @@ def _drill(config: RecoveryBenchConfig, logdir: Path, steps: int) -> tuple[list[
     return drill_command(steps=steps, numel=config.numel, sleep=config.sleep_s, log=logdir), pythonpath_env()
 
 
-def _failover_scenario(nproc: int, config: RecoveryBenchConfig, root: Path) -> dict[str, Any]:
+def _failover_scenario(nproc: int, config: RecoveryBenchConfig, root: Path) -> JsonObject:
     """The active coordinator SIGKILLed, the job kept in etcd; the launcher's coordinator stands by."""
     if (why := etcd_unavailable()) is not None:
         raise RuntimeError(f"recovery scenario failover: {why}")
@@ -265,7 +265,7 @@ def _failover_scenario(nproc: int, config: RecoveryBenchConfig, root: Path) -> d
     }
 
 
-def _hosts_scenario(nproc: int, fault: str, config: RecoveryBenchConfig, root: Path) -> dict[str, Any]:
+def _hosts_scenario(nproc: int, fault: str, config: RecoveryBenchConfig, root: Path) -> JsonObject:
     """A job over :class:`~optim.testing.hosts.Hosts` (``partition``) or the loopback (``coordinator``)."""
     if fault == "partition" and (why := unavailable()) is not None:
         raise RuntimeError(f"recovery scenario partition: no network namespaces here ({why})")
@@ -330,8 +330,8 @@ def _new_epoch_configured(launcher: Launcher) -> bool:
 
 
 def _phases(
-    logs: dict[int, list[dict[str, Any]]], events: list[dict[str, Any]], victim: int, t_fault: float
-) -> dict[str, Any]:
+    logs: dict[int, list[JsonObject]], events: list[JsonObject], victim: int, t_fault: float
+) -> JsonObject:
     raised = [
         min(r["time"] for r in recs if r["event"] == "raised" and r["time"] >= t_fault)
         for pid, recs in logs.items()
@@ -345,7 +345,7 @@ def _phases(
     configured = min(e["time"] for e in events if e["event"] == "epoch_configured" and (e["epoch"] or 0) > before)
     members = [pid for pid, recs in logs.items() if pid != victim and any(r["event"] == "done" for r in recs)]
 
-    def after(r: dict[str, Any]) -> bool:
+    def after(r: JsonObject) -> bool:
         return r["event"] == "committed" and r["epoch"] > before and r["time"] >= t_fault
 
     first_commit = [min(r["time"] for r in logs[p] if after(r)) for p in members if any(after(r) for r in logs[p])]
@@ -367,8 +367,8 @@ def run_recovery_bench(
     config: RecoveryBenchConfig,
     *,
     torchft: bool = False,
-    on_run: Callable[[dict[str, Any]], None] | None = None,
-) -> dict[str, Any]:
+    on_run: Callable[[JsonObject], None] | None = None,
+) -> JsonObject:
     """Every (nproc, fault) scenario ``repeats`` times; medians per phase (plus torchft's where asked)."""
     rows = []
     for nproc in config.nprocs:
@@ -385,7 +385,7 @@ def run_recovery_bench(
     return {"config": asdict(config), "rows": rows}
 
 
-def _medians(runs: list[dict[str, Any]]) -> dict[str, float | None]:
+def _medians(runs: list[JsonObject]) -> dict[str, float | None]:
     out: dict[str, float | None] = {}
     for phase in PHASES:
         values = [r[phase] for r in runs if r.get(phase) is not None]
@@ -393,7 +393,7 @@ def _medians(runs: list[dict[str, Any]]) -> dict[str, float | None]:
     return out
 
 
-def _torchft_rows(config: RecoveryBenchConfig, on_run: Callable[[dict[str, Any]], None] | None) -> list[dict[str, Any]]:
+def _torchft_rows(config: RecoveryBenchConfig, on_run: Callable[[JsonObject], None] | None) -> list[JsonObject]:
     try:
         from optim.apps.benchmarks.torchft_baseline import run_torchft_recovery
     except ImportError as exc:  # pragma: no cover - optional
@@ -425,7 +425,7 @@ def _torchft_rows(config: RecoveryBenchConfig, on_run: Callable[[dict[str, Any]]
     return rows
 
 
-def torchft_phases(raw: dict[str, Any]) -> dict[str, float | None]:
+def torchft_phases(raw: JsonObject) -> dict[str, float | None]:
     """Map a torchft run onto :data:`PHASES` (torchft has no separate detection event)."""
     err = raw.get("every_survivor_error_seen_s") or {}
     quorum = raw.get("every_survivor_new_quorum_s") or {}

@@ -50,8 +50,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
+from bindings.json_object import JsonObject
 from bindings.validate import check_density, check_int
 from optim.apps.paths import pythonpath_env
 from optim.apps.train_job.resilient_job import ResilienceConfig, failure_timeline, run_resilient_training
@@ -188,8 +188,8 @@ class CheckpointBenchConfig:
 
 # ---------------------------------------------------------------------------------------------- analysis
 def overhead_from_events(
-    events: list[dict[str, Any]], *, block: int, skip_steps: int, last_step: int
-) -> dict[str, Any]:
+    events: list[JsonObject], *, block: int, skip_steps: int, last_step: int
+) -> JsonObject:
     """Median step time with and without a snapshot from the ``committed`` events of an alternating run.
 
     Each step's time is the max over ranks. ``on``: steps of a snapshot block
@@ -250,7 +250,7 @@ def _iqr_ms(xs: list[float]) -> list[float] | None:
     return [1e3 * q[0], 1e3 * q[2]]
 
 
-def recovery_split(result: dict[str, Any]) -> dict[str, Any]:
+def recovery_split(result: JsonObject) -> JsonObject:
     """Split the first injected failure of a run into detect / reconfigure / agree / transfer / restore / resume.
 
     From the kill: ``detect_s`` until the coordinator declared the failure,
@@ -278,7 +278,7 @@ def recovery_split(result: dict[str, Any]) -> dict[str, Any]:
         vals = [sum(e["phases"][n] for n in names) for e in restored if "phases" in e]
         return max(vals) if vals else None
 
-    out: dict[str, Any] = {
+    out: JsonObject = {
         "ok": f["resumed_s"] is not None,
         "slot": f["slot"],
         "kill_step": f["step"],
@@ -312,7 +312,7 @@ def _num_parameters(config: TrainConfig) -> int:
     return GPT(config.model_config()).num_parameters()
 
 
-def _overhead_run(config: CheckpointBenchConfig, optimizer: str, d: int, layers: int, steps: int) -> dict[str, Any]:
+def _overhead_run(config: CheckpointBenchConfig, optimizer: str, d: int, layers: int, steps: int) -> JsonObject:
     out = Path(config.out) / f"{optimizer}-{_model_label(d, layers)}" / "overhead"
     train = config.train_config(optimizer, d, layers, steps, str(out))
     res = ResilienceConfig(spares=0, heartbeat_timeout_s=config.heartbeat_timeout_s, snapshot_block=config.block)
@@ -340,7 +340,7 @@ def _overhead_run(config: CheckpointBenchConfig, optimizer: str, d: int, layers:
     return row
 
 
-def _recovery_run(config: CheckpointBenchConfig, optimizer: str, d: int, layers: int) -> dict[str, Any]:
+def _recovery_run(config: CheckpointBenchConfig, optimizer: str, d: int, layers: int) -> JsonObject:
     out = Path(config.out) / f"{optimizer}-{_model_label(d, layers)}" / "recovery"
     steps = config.kill_step + config.steps_after_kill
     train = config.train_config(optimizer, d, layers, steps, str(out))
@@ -364,15 +364,15 @@ def _recovery_run(config: CheckpointBenchConfig, optimizer: str, d: int, layers:
 
 
 def run_checkpoint_bench(
-    config: CheckpointBenchConfig, *, on_row: Callable[[dict[str, Any]], None] | None = None
-) -> dict[str, Any]:
+    config: CheckpointBenchConfig, *, on_row: Callable[[JsonObject], None] | None = None
+) -> JsonObject:
     """Run every (optimizer, model) pair and the loopback; return ``config``, ``rows``, ``loopback``."""
     t0 = time.time()
     rows = []
     for d, layers, steps in config.models:
         for optimizer in config.optimizers:
             train = config.train_config(optimizer, d, layers, steps)
-            row: dict[str, Any] = {
+            row: JsonObject = {
                 "name": optimizer if optimizer != "scape" else f"scape-{config.density:g}",
                 "optimizer": optimizer,
                 "density": config.density if optimizer == "scape" else 1.0,
@@ -399,7 +399,7 @@ def run_checkpoint_bench(
 
 
 # ---------------------------------------------------------------------------------------------- loopback
-def run_loopback(nbytes: int, iters: int, *, timeout_s: float = 300.0, out: str | Path | None = None) -> dict[str, Any]:
+def run_loopback(nbytes: int, iters: int, *, timeout_s: float = 300.0, out: str | Path | None = None) -> JsonObject:
     """Time ``nbytes`` between 2 local ranks over the side channel (see the module docstring).
 
     Returns ``{}`` for ``nbytes == 0``; else the per-rank timings and

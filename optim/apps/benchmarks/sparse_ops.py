@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 import sparsecomm.distributed as dist
+from bindings.json_object import JsonObject
 from sparsecomm.collectives import pack, unpack
 from sparsecomm.mask import ShardedMask, shard_size_for
 from sparsecomm.schedule import MaskSchedule
@@ -151,7 +152,7 @@ def bench_sparse_rank(
     ops: tuple[str, ...] = SPARSE_OPS,
     iters: int = 20,
     warmup: int = 3,
-) -> list[dict[str, Any]]:
+) -> list[JsonObject]:
     """Measure the sparse rows on this rank; the rows come back identical on every rank.
 
     Collective: every rank of the default group must call this.
@@ -159,7 +160,7 @@ def bench_sparse_rank(
     comm = dist.get_communicator()
     n, rank = comm.world_size, comm.rank
     gbps = _stream_gbps()
-    rows: list[dict[str, Any]] = []
+    rows: list[JsonObject] = []
     for op in ops:
         for numel in numels:
             for dname in dtypes:
@@ -170,7 +171,7 @@ def bench_sparse_rank(
                 _dense_call(op, flat, n)()
                 dense_wire = comm.stats.get(op).bytes_sent
                 for density in densities:
-                    row: dict[str, Any] = {
+                    row: JsonObject = {
                         "kind": "sparse",
                         "op": op,
                         "backend": comm.backend,
@@ -246,7 +247,7 @@ def bench_pack(
     densities: tuple[float, ...],
     dtypes: tuple[str, ...],
     reps: int = 10,
-) -> list[dict[str, Any]]:
+) -> list[JsonObject]:
     """Time every pack kernel available on ``device``: one row per (kernel, dtype, density).
 
     Runs in one process, no communication. ``pack_us`` / ``unpack_us`` are the
@@ -255,7 +256,7 @@ def bench_pack(
     """
     from sparsecomm.pack import candidates, kernel_for, time_kernel
 
-    rows: list[dict[str, Any]] = []
+    rows: list[JsonObject] = []
     for dname in dtypes:
         dtype = _DTYPES[dname]
         chosen = kernel_for(device, dtype).name

@@ -41,8 +41,8 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
+from bindings.json_object import JsonObject
 from optim.apps.benchmarks.convergence import ADAMW_BASED, ADAMW_TARGETS, METHODS, TARGETS, run_convergence
 from optim.apps.benchmarks.suite_settings import (
     DEFAULT_SEEDS,
@@ -76,14 +76,14 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-OnRun = Callable[[str, int, dict[str, Any]], None]
+OnRun = Callable[[str, int, JsonObject], None]
 
 
 def _is_constant(config: TrainConfig) -> bool:
     return config.warmup_steps == 0 and config.min_lr_ratio == 1.0
 
 
-def _val_at(run: dict[str, Any], step: int) -> float:
+def _val_at(run: JsonObject, step: int) -> float:
     for e in run["evals"]:
         if e["step"] == step:
             return float(e["val_loss"])
@@ -98,11 +98,11 @@ def run_suite(
     densities: Sequence[float] = (0.1, 0.01),
     methods: Sequence[str] = METHODS,
     seeds: Sequence[int] | None = None,
-    overrides: dict[str, Any] | None = None,
+    overrides: JsonObject | None = None,
     on_run: OnRun | None = None,
     runs_dir: str | Path | None = None,
     reuse: str = "commit",
-) -> dict[str, Any]:
+) -> JsonObject:
     """Run the suite; return its record (see the module docstring).
 
     Args:
@@ -152,8 +152,8 @@ def run_suite(
         logger.warning("suite: held-out settings on seeds below %d, the tuning seeds", FIRST_HELDOUT_SEED)
     own = {n: _check_horizons(SETTING_HORIZONS.get(n, HORIZONS) if horizons is None else horizons) for n in names}
     t_all = time.perf_counter()
-    rows: list[dict[str, Any]] = []
-    configs: dict[str, dict[str, Any]] = {}
+    rows: list[JsonObject] = []
+    configs: dict[str, JsonObject] = {}
     for name in names:
         hs = own[name]
         fields = {**SUITE_BASE, **SETTINGS[name], **(overrides or {})}
@@ -202,13 +202,13 @@ def _check_horizons(horizons: Sequence[int]) -> list[int]:
     return hs
 
 
-def _tagged(on_run: OnRun | None, setting: str, steps: int) -> Callable[[dict[str, Any]], None] | None:
+def _tagged(on_run: OnRun | None, setting: str, steps: int) -> Callable[[JsonObject], None] | None:
     if on_run is None:
         return None
     return lambda record: on_run(setting, steps, record)
 
 
-def _rows_at(setting: str, horizon: int, trained: int, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _rows_at(setting: str, horizon: int, trained: int, runs: list[JsonObject]) -> list[JsonObject]:
     by = {r["name"]: r for r in runs}
     ref_s, ref_w = _val_at(by["adams"], horizon), _val_at(by["adamw"], horizon)
     wire_ref = by["adams"]["optimizer_wire_bytes_per_step"]
@@ -239,7 +239,7 @@ def _rows_at(setting: str, horizon: int, trained: int, runs: list[dict[str, Any]
     return out
 
 
-def mean_over_seeds(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def mean_over_seeds(rows: list[JsonObject]) -> list[JsonObject]:
     """One row per setting, horizon and run from per-seed rows (each with ``seed``): means over the seeds.
 
     ``val_loss`` is the mean over the seeds, the ratios are ratios of those
@@ -250,7 +250,7 @@ def mean_over_seeds(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     over its smallest validation loss, and ``evals`` maps each seed to its
     evaluations.
     """
-    cells: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+    cells: dict[tuple[str, int, str], list[JsonObject]] = {}
     for r in rows:
         cells.setdefault((r["setting"], r["horizon"], r["name"]), []).append(r)
 
@@ -305,12 +305,12 @@ def reference(optimizer: str) -> str:
     return "adamw" if optimizer in ADAMW_BASED else "adams"
 
 
-def ratio_key(row: dict[str, Any]) -> str:
+def ratio_key(row: JsonObject) -> str:
     """The field of ``row`` holding its ratio to its own dense reference (:func:`reference`)."""
     return f"ratio_to_{reference(row.get('optimizer', ''))}"
 
 
-def worst_case(rows: list[dict[str, Any]]) -> dict[str, Any]:
+def worst_case(rows: list[JsonObject]) -> JsonObject:
     """Per run name: the worst ratio to its dense reference at each horizon, where it happened, and the verdict.
 
     The reference is dense AdamS, or dense AdamW for the AdamW-based methods
@@ -318,7 +318,7 @@ def worst_case(rows: list[dict[str, Any]]) -> dict[str, Any]:
     at the run's density) applies to every sparse method; it is met when the
     worst ratio at every horizon is within it.
     """
-    out: dict[str, Any] = {}
+    out: JsonObject = {}
     for r in rows:
         blank = {"density": r["density"], "by_horizon": {}, "reference": reference(r.get("optimizer", ""))}
         w = out.setdefault(r["name"], blank)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 from statistics import median
-from typing import Any
 
+from bindings.json_object import JsonObject
 from optim.apps.benchmarks.output import Table, text_table
 from optim.apps.benchmarks.suite import best_dense, ratio_key, reference
 
@@ -31,14 +31,14 @@ def _check_against(against: str) -> None:
         raise ValueError(f"against must be one of {AGAINST}, got {against!r}")
 
 
-def _cells(suite: dict[str, Any]) -> dict[tuple[str, int], dict[str, dict[str, Any]]]:
-    out: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
+def _cells(suite: JsonObject) -> dict[tuple[str, int], dict[str, JsonObject]]:
+    out: dict[tuple[str, int], dict[str, JsonObject]] = {}
     for r in suite["rows"]:
         out.setdefault((r["setting"], r["horizon"]), {})[r["name"]] = r
     return out
 
 
-def _ratio(row: dict[str, Any], cell: dict[str, dict[str, Any]], against: str) -> float:
+def _ratio(row: JsonObject, cell: dict[str, JsonObject], against: str) -> float:
     """``row``'s ratio: to its reference, or to the better dense run of its cell (also for files made before
     ``ratio_to_best_dense`` was recorded)."""
     if against == "reference":
@@ -53,7 +53,7 @@ def _order(names: list[str]) -> list[str]:
     return dense + sorted((n for n in names if n not in dense), key=lambda n: (-float(n.split("@")[1]), n))
 
 
-def suite_table(suite: dict[str, Any], *, digits: int = 4, against: str = "reference") -> Table:
+def suite_table(suite: JsonObject, *, digits: int = 4, against: str = "reference") -> Table:
     """One row per setting and horizon: each run's ratio of validation loss to dense AdamS's.
 
     An AdamW-based run (name marked ``/w``) is given against dense AdamW's
@@ -103,16 +103,16 @@ def suite_table(suite: dict[str, Any], *, digits: int = 4, against: str = "refer
     return Table(columns=columns, rows=tuple(rows), left=frozenset({0, *((columns.index("best"),) if best else ())}))
 
 
-def _best_name(cells: dict[str, dict[str, Any]]) -> str:
+def _best_name(cells: dict[str, JsonObject]) -> str:
     return best_dense(float(cells["adams"]["val_loss"]), float(cells["adamw"]["val_loss"]))
 
 
-def format_suite_table(suite: dict[str, Any], *, against: str = "reference") -> str:
+def format_suite_table(suite: JsonObject, *, against: str = "reference") -> str:
     """:func:`suite_table` as fixed-width text."""
     return text_table(suite_table(suite, against=against), sep=" ")
 
 
-def worst_table(suite: dict[str, Any], *, digits: int = 4) -> Table:
+def worst_table(suite: JsonObject, *, digits: int = 4) -> Table:
     """One row per run but dense AdamS: worst ratio to its reference per horizon (where, each seed's range), verdict."""
     hs = [str(h) for h in suite["horizons"]]
     per = ("setting", "seeds") if _several_seeds(suite) else ("setting",)
@@ -135,10 +135,10 @@ def worst_table(suite: dict[str, Any], *, digits: int = 4) -> Table:
     return Table(columns=columns, rows=tuple(rows), left=text_cols)
 
 
-def rise_table(suite: dict[str, Any], *, digits: int = 2) -> Table:
+def rise_table(suite: JsonObject, *, digits: int = 2) -> Table:
     """One row per setting and trained run length: the largest one-step rise of the training loss after the
     warm-up, of the larger dense run (AdamS, AdamW) and of each sparse run (``!``: above the dense one)."""
-    seen: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
+    seen: dict[tuple[str, int], dict[str, JsonObject]] = {}
     for r in suite["rows"]:
         if "largest_loss_rise" in r:
             seen.setdefault((r["setting"], r.get("trained_steps", r["horizon"])), {})[r["name"]] = r
@@ -155,16 +155,16 @@ def rise_table(suite: dict[str, Any], *, digits: int = 2) -> Table:
     return Table(columns=columns, rows=tuple(rows), left=frozenset({0}))
 
 
-def _several_seeds(suite: dict[str, Any]) -> bool:
+def _several_seeds(suite: JsonObject) -> bool:
     return any(len(r.get("seeds", [])) > 1 for r in suite["rows"])
 
 
-def format_worst_table(suite: dict[str, Any]) -> str:
+def format_worst_table(suite: JsonObject) -> str:
     """:func:`worst_table` as fixed-width text."""
     return text_table(worst_table(suite), sep=" ")
 
 
-def summary_table(suites: list[tuple[str, dict[str, Any]]], *, digits: int = 2, against: str = "reference") -> Table:
+def summary_table(suites: list[tuple[str, JsonObject]], *, digits: int = 2, against: str = "reference") -> Table:
     """Median / worst ratio to the dense reference over every cell of a suite, per run and density.
 
     Args:
@@ -202,7 +202,7 @@ def summary_table(suites: list[tuple[str, dict[str, Any]]], *, digits: int = 2, 
     return Table(columns=columns, rows=tuple(rows), left=frozenset({0, 1}))
 
 
-def merge_suites(suites: list[dict[str, Any]]) -> dict[str, Any]:
+def merge_suites(suites: list[JsonObject]) -> JsonObject:
     """One suite record from several runs of the same settings and horizons: the first's dense rows, all sparse rows.
 
     Raises:
@@ -223,7 +223,7 @@ def merge_suites(suites: list[dict[str, Any]]) -> dict[str, Any]:
     return {**first, "rows": rows, "worst": worst}
 
 
-def write_suite_plot(suite: dict[str, Any], path: str | Path) -> Path:
+def write_suite_plot(suite: JsonObject, path: str | Path) -> Path:
     """Ratio to dense AdamS of every sparse run, one panel per horizon, one line per method and density."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure

@@ -23,7 +23,7 @@ The held-out settings:
 
 from __future__ import annotations
 
-from typing import Any
+from bindings.json_object import JsonObject
 
 __all__ = [
     "DEFAULT_SEEDS",
@@ -42,7 +42,7 @@ __all__ = [
 HORIZONS = (300, 1000)
 """Steps at which every setting is judged unless :data:`SETTING_HORIZONS` says otherwise."""
 
-SUITE_BASE: dict[str, Any] = {
+SUITE_BASE: JsonObject = {
     "nproc": 4,
     "batch": 8,
     "context": 64,
@@ -69,7 +69,7 @@ _DIGITS_COSINE = {
     **_COSINE,
 }
 
-TUNING_SETTINGS: dict[str, dict[str, Any]] = {
+TUNING_SETTINGS: dict[str, JsonObject] = {
     "stdlib-encoder-const": {
         "task": "text",
         "corpus": "stdlib",
@@ -121,7 +121,7 @@ TUNING_SETTINGS: dict[str, dict[str, Any]] = {
 }
 """The tuning split: name -> :class:`~optim.apps.train_job.job_config.TrainConfig` fields over :data:`SUITE_BASE`."""
 
-HELDOUT_SETTINGS: dict[str, dict[str, Any]] = {
+HELDOUT_SETTINGS: dict[str, JsonObject] = {
     "stdlib-gpt-large-const": {
         "task": "text",
         "corpus": "stdlib",
@@ -158,7 +158,7 @@ HELDOUT_SETTINGS: dict[str, dict[str, Any]] = {
 }
 """The held-out split (see the module docstring), in the same form as :data:`TUNING_SETTINGS`."""
 
-SETTINGS: dict[str, dict[str, Any]] = {**TUNING_SETTINGS, **HELDOUT_SETTINGS}
+SETTINGS: dict[str, JsonObject] = {**TUNING_SETTINGS, **HELDOUT_SETTINGS}
 """Every setting of either split, by name (the names are unique across the splits)."""
 
 SPLITS: dict[str, tuple[str, ...]] = {

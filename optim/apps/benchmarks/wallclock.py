@@ -31,8 +31,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+from bindings.json_object import JsonObject
 from bindings.validate import check_int
 from optim.apps.benchmarks.links import measure_link, tcp_bytes_for
 from optim.apps.paths import pythonpath_env
@@ -114,10 +114,10 @@ class WallclockConfig:
                 f"got {self.target_step}"
             )
 
-    def train_config(self, method: str, seed: int) -> dict[str, Any]:
+    def train_config(self, method: str, seed: int) -> JsonObject:
         """The train job's settings of one cell (``TrainConfig`` keywords)."""
         optimizer, _, density = method.partition("@")
-        settings: dict[str, Any] = {
+        settings: JsonObject = {
             "optimizer": optimizer,
             "steps": self.steps,
             "eval_interval": self.eval_interval,
@@ -146,7 +146,7 @@ def cell_name(rate: str, method: str, seed: int) -> str:
     return f"{rate}-{method.replace('@', '-d')}-s{seed}"
 
 
-def run_cell(config: WallclockConfig, rate: str, method: str, seed: int, out: Path) -> dict[str, Any]:
+def run_cell(config: WallclockConfig, rate: str, method: str, seed: int, out: Path) -> JsonObject:
     """Train one cell on fresh shaped hosts; write and return rank 0's result (plus the cell's identity)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     work = out.parent / f".{out.stem}"
@@ -181,8 +181,8 @@ def run_cell(config: WallclockConfig, rate: str, method: str, seed: int, out: Pa
 
 
 def run_wallclock_bench(
-    config: WallclockConfig, out_dir: Path, on_cell: Callable[[str, dict[str, Any] | None], None] | None = None
-) -> dict[str, Any]:
+    config: WallclockConfig, out_dir: Path, on_cell: Callable[[str, JsonObject | None], None] | None = None
+) -> JsonObject:
     """Run every cell of ``config`` that has no result file in ``out_dir`` yet (each rate's link measured once,
     to ``out_dir/link-RATE.json``); return :func:`summarize` of the directory.
 
@@ -216,7 +216,7 @@ def run_wallclock_bench(
     return summarize(out_dir)
 
 
-def _time_curve(result: dict[str, Any]) -> list[tuple[int, float, float]]:
+def _time_curve(result: JsonObject) -> list[tuple[int, float, float]]:
     """``(step, training seconds so far, validation loss)`` at every evaluation."""
     elapsed, t = {0: 0.0}, 0.0
     for rec in result["steps"]:
@@ -225,7 +225,7 @@ def _time_curve(result: dict[str, Any]) -> list[tuple[int, float, float]]:
     return [(e["step"], elapsed[e["step"]], e["val_loss"]) for e in result["evals"]]
 
 
-def summarize(out_dir: Path) -> dict[str, Any]:
+def summarize(out_dir: Path) -> JsonObject:
     """Read the cell files of ``out_dir``: one row per cell, with time to the target loss and ratios to dense."""
     config = json.loads((out_dir / "config.json").read_text())
     links = {}
@@ -286,11 +286,11 @@ def _bits(rate: str) -> float:
     return math.inf if bits is None else float(bits)
 
 
-def wins_by_rate(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def wins_by_rate(rows: list[JsonObject]) -> dict[str, JsonObject]:
     """Per method: the link rates it was measured at (slowest first), the median speed-up to dense AdamS's time
     to the target at each (over seeds; ``None`` where either never reached it), and ``wins_up_to``: the fastest
     of those rates at which it reached the target sooner than dense AdamS (``None``: at none of them)."""
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, JsonObject] = {}
     for method in sorted({r["method"] for r in rows}):
         speedups: dict[str, float | None] = {}
         for rate in sorted({r["link_rate"] for r in rows if r["method"] == method}, key=_bits):

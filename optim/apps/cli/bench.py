@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from bindings.json_object import JsonObject
 from bindings.spawn import LocalRunError
 from optim.apps.benchmarks.collective_ops import OPS, CollectivesBenchConfig, run_collectives_bench
 from optim.apps.benchmarks.optimizer import OptimizerBenchConfig, run_optimizer_bench
@@ -63,7 +64,7 @@ def _csv(choices: tuple[str, ...]) -> Any:
     return parse
 
 
-def format_sparse_table(rows: list[dict[str, Any]]) -> str:
+def format_sparse_table(rows: list[JsonObject]) -> str:
     """Render the sparse rows: one line per (op, backend, numel, dtype, density)."""
     head = (
         f"{'op':>14} {'backend':>7} {'ws':>3} {'numel':>10} {'dtype':>8} {'density':>7} "
@@ -91,7 +92,7 @@ def format_sparse_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def format_collectives_table(rows: list[dict[str, Any]]) -> str:
+def format_collectives_table(rows: list[JsonObject]) -> str:
     """Render rows in the nccl-tests layout, with our impl and overhead columns."""
     head = (
         f"{'op':>14} {'backend':>7} {'impl':>17} {'size':>10} {'count':>10} {'type':>8} "
@@ -171,7 +172,7 @@ def _cmd_pack(args: argparse.Namespace) -> int:
     return 0
 
 
-def _write_json(path_text: str | None, rows: list[dict[str, Any]], config: dict[str, Any]) -> None:
+def _write_json(path_text: str | None, rows: list[JsonObject], config: JsonObject) -> None:
     """Write ``rows`` as a JSON list, each row with the run's environment (commit included) and resolved config."""
     if not path_text:
         return
@@ -182,7 +183,7 @@ def _write_json(path_text: str | None, rows: list[dict[str, Any]], config: dict[
     print(f"wrote {path}")
 
 
-def format_optimizer_table(bench: dict[str, Any]) -> str:
+def format_optimizer_table(bench: JsonObject) -> str:
     """Render one line per optimizer: params, state/rank, wire bytes/step, step and opt.step times, speedup."""
     c = bench["config"]
     head = (

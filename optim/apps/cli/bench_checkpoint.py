@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import Any
 
+from bindings.json_object import JsonObject
 from bindings.spawn import LocalRunError
 from optim.apps.benchmarks.output import Table, text_table
 from optim.apps.benchmarks.snapshots import RECOVERY_PHASES, CheckpointBenchConfig, run_checkpoint_bench
@@ -32,7 +33,7 @@ _RECOVERY_LABELS = {
 }
 
 
-def snapshot_table(bench: dict[str, Any]) -> Table:
+def snapshot_table(bench: JsonObject) -> Table:
     """One row per run: step time with and without snapshots, the overhead, the snapshot's time and ring bytes."""
     rows = []
     for r in bench["rows"]:
@@ -76,7 +77,7 @@ def snapshot_table(bench: dict[str, Any]) -> Table:
     return Table(columns=cols, rows=tuple(rows), left=frozenset({0, 1}))
 
 
-def recovery_split_table(bench: dict[str, Any]) -> Table:
+def recovery_split_table(bench: JsonObject) -> Table:
     """One row per run: seconds of each phase of the hot-swap recovery, the restored step and the steps recomputed."""
     cols = ("optimizer", "model", *(_RECOVERY_LABELS[p] for p in RECOVERY_PHASES), "gap", "restored", "recomp")
     rows = []
@@ -93,7 +94,7 @@ def recovery_split_table(bench: dict[str, Any]) -> Table:
     return Table(columns=cols, rows=tuple(rows), left=frozenset({0, 1}))
 
 
-def loopback_table(bench: dict[str, Any]) -> Table:
+def loopback_table(bench: JsonObject) -> Table:
     """The snapshot transfer over the side channel: one way, and the replicator's exchange, each against the target."""
     lb = bench["loopback"]
     target = bench["target_GBps"]
@@ -111,7 +112,7 @@ def loopback_table(bench: dict[str, Any]) -> Table:
     return Table(columns=cols, rows=tuple(rows), left=frozenset({0, 3, 4}))
 
 
-def format_checkpoint_table(bench: dict[str, Any]) -> str:
+def format_checkpoint_table(bench: JsonObject) -> str:
     """Three parts: snapshot overhead and bytes per run, the recovery split per run, the loopback transfer."""
     c = bench["config"]
     lines = [
@@ -190,7 +191,7 @@ def _cmd_checkpoint(args: argparse.Namespace) -> int:
     except ValueError as exc:
         args.cmd_parser.error(str(exc))
 
-    def progress(row: dict[str, Any]) -> None:
+    def progress(row: JsonObject) -> None:
         ov = row["overhead_fraction"]
         rec = row["recovery"]
         print(

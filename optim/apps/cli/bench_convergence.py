@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bindings.json_object import JsonObject
 from bindings.spawn import LocalRunError
 from optim.apps.benchmarks.convergence import DEFAULT_DENSITIES, METHODS, REUSE, run_convergence
 from optim.apps.benchmarks.output import write_bench_json
@@ -26,7 +27,7 @@ def fmt_bytes(n: float) -> str:
     return f"{n:.2f} GB"
 
 
-def format_convergence_table(bench: dict[str, Any]) -> str:
+def format_convergence_table(bench: JsonObject) -> str:
     """Render one line per run: final val loss, ratio to AdamS, wire bytes/step, step time, loss rise.
 
     ``wire/step`` is rank 0's mean sent bytes over all steps (dense warm-up included, plus the
@@ -51,7 +52,7 @@ def format_convergence_table(bench: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_convergence_plot(bench: dict[str, Any], path: str | Path) -> Path:
+def write_convergence_plot(bench: JsonObject, path: str | Path) -> Path:
     """Draw every run's validation loss against step into a PNG (matplotlib, Agg canvas)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -86,14 +87,14 @@ def _cmd_suite(args: argparse.Namespace) -> int:
     from optim.apps.benchmarks.suite import run_suite
     from optim.apps.benchmarks.suite_report import format_suite_table, format_worst_table, write_suite_plot
 
-    def progress(setting: str, steps: int, r: dict[str, Any]) -> None:
+    def progress(setting: str, steps: int, r: JsonObject) -> None:
         print(
             f"{setting} ({steps} steps) {r['name']}: final validation loss {r['final_val_loss']:.4f}, "
             f"{r['wall_time_s']:.0f} s",
             flush=True,
         )
 
-    overrides: dict[str, Any] = {"nproc": args.nproc, "job_timeout_s": args.timeout}
+    overrides: JsonObject = {"nproc": args.nproc, "job_timeout_s": args.timeout}
     out = Path(args.out)
     try:
         suite = run_suite(
@@ -154,7 +155,7 @@ def _cmd_convergence(args: argparse.Namespace) -> int:
     if args.data is not None and not Path(args.data).is_file():
         args.cmd_parser.error(f"--data: file not found: {args.data}")
 
-    def progress(r: dict[str, Any]) -> None:
+    def progress(r: JsonObject) -> None:
         print(
             f"{r['name']}: final validation loss {r['final_val_loss']:.4f}, "
             f"{r['mean_step_time_s'] * 1e3:.0f} ms/step, {r['wall_time_s']:.0f} s",

@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import Any
 
+from bindings.json_object import JsonObject
 from bindings.spawn import LocalRunError
 from optim.apps.benchmarks.ddp_hooks import HookBenchConfig, run_hook_bench
 from optim.apps.benchmarks.output import Table, markdown_table, write_bench_json
@@ -14,7 +15,7 @@ from optim.apps.cli.options import densities_arg
 __all__ = ["add_hooks_parser", "format_hook_table", "hook_table"]
 
 
-def hook_table(bench: dict[str, Any]) -> Table:
+def hook_table(bench: JsonObject) -> Table:
     """One row per hook: validation loss, training loss, wire bytes per step and step time, each vs plain DDP."""
     rows = tuple(
         (
@@ -33,7 +34,7 @@ def hook_table(bench: dict[str, Any]) -> Table:
     return Table(columns=cols, rows=rows, left=frozenset({0}))
 
 
-def format_hook_table(bench: dict[str, Any]) -> str:
+def format_hook_table(bench: JsonObject) -> str:
     """:func:`hook_table` in Markdown under two lines saying what was measured."""
     c = bench["config"]
     head = (

@@ -7,6 +7,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from bindings.json_object import JsonObject
 from optim.apps.benchmarks.links import LinkBenchConfig, run_link_bench
 from optim.apps.benchmarks.output import Table, text_table
 from optim.apps.cli.options import run_bench
@@ -14,7 +15,7 @@ from optim.apps.cli.options import run_bench
 __all__ = ["add_link_parser", "format_link_table", "link_table"]
 
 
-def link_table(bench: dict[str, Any]) -> Table:
+def link_table(bench: JsonObject) -> Table:
     """One row per link rate: set rate, TCP payload rate, and the dense all_reduce's time and bus bandwidth."""
     rows = []
     for row in bench["rows"]:
@@ -34,7 +35,7 @@ def link_table(bench: dict[str, Any]) -> Table:
     return Table(columns=cols, rows=tuple(rows), left=frozenset({0}))
 
 
-def format_link_table(bench: dict[str, Any]) -> str:
+def format_link_table(bench: JsonObject) -> str:
     """:func:`link_table` as fixed-width text under a line saying what was measured."""
     cfg = bench["config"]
     head = (
@@ -53,7 +54,7 @@ def _cmd_link(args: argparse.Namespace) -> int:
     except (TypeError, ValueError) as exc:
         args.cmd_parser.error(str(exc))
 
-    def progress(row: dict[str, Any]) -> None:
+    def progress(row: JsonObject) -> None:
         print(f"  {row['link_rate']}: TCP {row['tcp_gbps']:.3f} Gbit/s, all_reduce {row['allreduce_s']:.3f} s")
 
     with tempfile.TemporaryDirectory(prefix="sparsecomm-link-") as tmp:

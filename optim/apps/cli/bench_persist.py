@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
+from bindings.json_object import JsonObject
 from bindings.spawn import LocalRunError
 from optim.apps.benchmarks.persist import PersistBenchConfig, run_persist_bench
 from optim.apps.cli.options import densities_arg, or_dash, run_bench
@@ -16,7 +16,7 @@ def _pct(v: float | None) -> str:
     return "-" if v is None else f"{100 * v:+.2f}%"
 
 
-def format_persist_table(bench: dict[str, Any]) -> str:
+def format_persist_table(bench: JsonObject) -> str:
     """One row per optimizer: bytes per file (full, delta), per checkpoint, write / restore times, overhead."""
     c = bench["config"]
     lines = [
@@ -112,7 +112,7 @@ def run_persist_command(args: argparse.Namespace) -> int:
     except ValueError as exc:
         args.cmd_parser.error(str(exc))
 
-    def progress(row: dict[str, Any]) -> None:
+    def progress(row: JsonObject) -> None:
         print(
             f"  {row['name']}: full {or_dash(row['bytes_full'], '.0f')} B, "
             f"delta {or_dash(row['bytes_delta'], '.0f')} B, "

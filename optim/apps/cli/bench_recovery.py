@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from bindings.json_object import JsonObject
 from optim.apps.benchmarks.output import Table, text_table
 from optim.apps.benchmarks.recovery import FAULTS, PHASES, RecoveryBenchConfig, run_recovery_bench
 from optim.apps.cli.options import run_bench
@@ -22,7 +23,7 @@ _LABELS = {
 }
 
 
-def recovery_table(bench: dict[str, Any], *, fault: str | None = None) -> Table:
+def recovery_table(bench: JsonObject, *, fault: str | None = None) -> Table:
     """One row per (system, nproc, fault), or only ``fault``'s rows: median seconds from the signal to each phase.
 
     A phase no row of the table reached is left out.
@@ -43,7 +44,7 @@ def recovery_table(bench: dict[str, Any], *, fault: str | None = None) -> Table:
     return Table(columns=cols, rows=cells, left=frozenset({0, 2}))
 
 
-def format_recovery_table(bench: dict[str, Any]) -> str:
+def format_recovery_table(bench: JsonObject) -> str:
     """:func:`recovery_table` as fixed-width text under a line saying what was measured."""
     cfg = bench["config"]
     head = (
@@ -67,7 +68,7 @@ def _cmd_recovery(args: argparse.Namespace) -> int:
     except ValueError as exc:
         args.cmd_parser.error(str(exc))
 
-    def progress(run: dict[str, Any]) -> None:
+    def progress(run: JsonObject) -> None:
         phases = ", ".join(f"{p}={run[p]:.3f}" for p in PHASES if run.get(p) is not None)
         if "steps_during_failover" in run:
             phases += f", steps committed meanwhile={run['steps_during_failover']}"

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from bindings.json_object import JsonObject
 from optim.apps.benchmarks.output import Table, text_table
 from optim.apps.benchmarks.wallclock import METHODS, WallclockConfig, run_wallclock_bench
 from optim.apps.cli.options import run_bench
@@ -21,7 +22,7 @@ def _rate(rate: str) -> str:
     return "unshaped" if rate == "none" else rate
 
 
-def wallclock_table(bench: dict[str, Any], *, rate: str | None = None) -> Table:
+def wallclock_table(bench: JsonObject, *, rate: str | None = None) -> Table:
     """One row per cell, or per cell over link ``rate`` (no link column then): times, bytes, loss, ratios to dense."""
     cols = ("method", "seed", "step (ms)", "wait (ms)", "MB/step", "final val loss", "to target (s)", "x dense")
     rows = []
@@ -44,7 +45,7 @@ def wallclock_table(bench: dict[str, Any], *, rate: str | None = None) -> Table:
     return Table(columns=columns, rows=tuple(rows), left=frozenset({0} if rate is not None else {0, 1}))
 
 
-def format_wallclock_table(bench: dict[str, Any]) -> str:
+def format_wallclock_table(bench: JsonObject) -> str:
     """One row per cell: step time, network wait, bytes, final loss, time to the target and the ratios to dense."""
     cfg = bench["config"]
     rows = bench["rows"]
@@ -71,7 +72,7 @@ def format_wallclock_table(bench: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_wallclock_plots(bench: dict[str, Any], path: str | Path) -> Path:
+def write_wallclock_plots(bench: JsonObject, path: str | Path) -> Path:
     """Validation loss against training time, one panel per link rate, into a PNG (matplotlib, Agg canvas)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -122,7 +123,7 @@ def _cmd_wallclock(args: argparse.Namespace) -> int:
     except (TypeError, ValueError) as exc:
         args.cmd_parser.error(str(exc))
 
-    def progress(name: str, cell: dict[str, Any] | None) -> None:
+    def progress(name: str, cell: JsonObject | None) -> None:
         if cell is None:
             print(f"  {name}: already done", flush=True)
         else:

@@ -47,7 +47,7 @@ class TqdmProgress:
         self._bar: Any = None
         self._val: float | None = None
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> dict[str, object]:
         return {"total": self.total, "_bar": None, "_val": None}
 
     def __call__(self, record: StepRecord, val_loss: float | None) -> None:

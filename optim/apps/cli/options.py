@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
-from typing import Any
 
+from bindings.json_object import JsonObject
 from optim.apps.benchmarks.output import write_bench_json
 from optim.apps.train_job.job_config import LOCAL_MOMENTS, LOCAL_WIRES, TrainConfig
 from optim.apps.train_job.tasks import ARCHS, CORPORA, TASKS
@@ -125,7 +125,7 @@ def add_scape_options(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     p.add_argument("--explore", type=float, default=d.explore, help="SCAPE: fraction of k chosen round-robin")
 
 
-def model_settings(args: argparse.Namespace) -> dict[str, Any]:
+def model_settings(args: argparse.Namespace) -> JsonObject:
     """The :class:`TrainConfig` fields set by :func:`add_model_options`."""
     return {
         "lr": args.lr,
@@ -146,7 +146,7 @@ def model_settings(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def scape_settings(args: argparse.Namespace) -> dict[str, Any]:
+def scape_settings(args: argparse.Namespace) -> JsonObject:
     """The :class:`TrainConfig` fields set by :func:`add_scape_options`."""
     return {
         "sparse_warmup_steps": args.warmup_steps,
@@ -175,11 +175,11 @@ def or_dash(v: float | None, fmt: str) -> str:
 
 def run_bench(
     command: str,
-    run: Callable[[], dict[str, Any]],
-    table: Callable[[dict[str, Any]], str],
+    run: Callable[[], JsonObject],
+    table: Callable[[JsonObject], str],
     json_path: str | None,
     errors: tuple[type[BaseException], ...] = (RuntimeError,),
-) -> dict[str, Any] | None:
+) -> JsonObject | None:
     """Run a benchmark, print its table and write its JSON; ``None`` (after printing why) when it fails."""
     try:
         bench = run()

@@ -16,12 +16,12 @@ import json
 import platform
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
 import sparsecomm
+from bindings.json_object import JsonObject
 from optim.apps.train_job.job_config import TrainConfig
 from optim.apps.train_job.records import TrainResult, wire_bytes_summary
 
@@ -34,9 +34,9 @@ def run_report(
     world_size: int,
     launcher: str,
     wall_time_s: float,
-    steps: Sequence[dict[str, Any]],
-    evals: Sequence[dict[str, Any]],
-) -> dict[str, Any]:
+    steps: Sequence[JsonObject],
+    evals: Sequence[JsonObject],
+) -> JsonObject:
     """The part of ``report.json`` every ``sparsecomm train`` run writes.
 
     Args:
@@ -73,7 +73,7 @@ def run_report(
     }
 
 
-def build_report(config: TrainConfig, result: TrainResult) -> dict[str, Any]:
+def build_report(config: TrainConfig, result: TrainResult) -> JsonObject:
     """Assemble the ``report.json`` content from rank 0's :func:`~optim.apps.train_job.train.run_training` result.
 
     Args:
@@ -104,7 +104,7 @@ def build_report(config: TrainConfig, result: TrainResult) -> dict[str, Any]:
     return report
 
 
-def write_loss_plot(report: dict[str, Any], path: str | Path) -> Path:
+def write_loss_plot(report: JsonObject, path: str | Path) -> Path:
     """Draw train and validation loss against step into a PNG.
 
     Args:
@@ -151,7 +151,7 @@ def write_loss_plot(report: dict[str, Any], path: str | Path) -> Path:
     return out
 
 
-def write_report(report: dict[str, Any], out_dir: str | Path) -> tuple[Path, Path]:
+def write_report(report: JsonObject, out_dir: str | Path) -> tuple[Path, Path]:
     """Write ``report.json`` and ``report.png`` into ``out_dir`` (created if missing).
 
     Args:

@@ -7,8 +7,8 @@ import dataclasses
 import json
 import statistics
 from pathlib import Path
-from typing import Any
 
+from bindings.json_object import JsonObject
 from optim.apps.cli.report import run_report
 from optim.apps.train_job.job_config import TrainConfig
 from optim.apps.train_job.resilient_job import (
@@ -66,12 +66,12 @@ def wants_resilience(args: argparse.Namespace) -> bool:
     return bool(args.spares > 0 or args.kill or args.checkpoint_dir)
 
 
-def _steps(run: dict[str, Any]) -> list[dict[str, Any]]:
+def _steps(run: JsonObject) -> list[JsonObject]:
     """A fault-tolerant run's committed losses as ``report.json``'s ``steps``."""
     return [{"step": k, "train_loss": v} for k, v in sorted(run["losses"].items())]
 
 
-def _verdict(run: dict[str, Any], reference: dict[str, Any] | None) -> dict[str, Any]:
+def _verdict(run: JsonObject, reference: JsonObject | None) -> JsonObject:
     if reference is None:
         return {"checked": False}
     shrunk = any(e["event"] == "epoch_proposed" and e.get("mode") == "shrink" for e in run["events"])
@@ -92,12 +92,12 @@ def _verdict(run: dict[str, Any], reference: dict[str, Any] | None) -> dict[str,
     }
 
 
-def _snapshot_overhead(result: dict[str, Any]) -> dict[str, Any]:
+def _snapshot_overhead(result: JsonObject) -> JsonObject:
     steps = [e["step_s"] for e in result["events"] if e["event"] == "committed" and "step_s" in e]
     snaps = [r["snapshot_ms_median"] for r in result["results"].values()]
     step_ms = 1000 * statistics.median(steps) if steps else float("nan")
     snap_ms = max(snaps) if snaps else float("nan")
-    some: dict[str, Any] = next(iter(result["results"].values()), {})
+    some: JsonObject = next(iter(result["results"].values()), {})
     own, ward = some.get("snapshot_bytes", (0, 0))
     return {
         "snapshot_ms_median": snap_ms,
@@ -107,7 +107,7 @@ def _snapshot_overhead(result: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _plot(report: dict[str, Any], run: dict[str, Any], path: Path) -> None:
+def _plot(report: JsonObject, run: JsonObject, path: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
+from bindings.json_object import JsonObject
 from bindings.validate import check_bool, check_density
 from optim.apps.train_job.data import DEFAULT_MAX_BYTES
 from optim.apps.train_job.model import GPTConfig
@@ -81,7 +82,7 @@ LOCAL_MOMENTS = {"auto": "auto", "on": True, "off": False}
 """Choices of ``TrainConfig.local_moment``, as LocalAdamS's ``average_moment``."""
 
 
-def _local_wire_kwargs(wire: str) -> dict[str, Any]:
+def _local_wire_kwargs(wire: str) -> JsonObject:
     if wire == "auto":
         return {"wire_dtype": "bfloat16", "wire_bits": "auto"}
     if wire.startswith("int"):
@@ -213,9 +214,9 @@ class TrainConfig:
         """Return the transformer shape of this run (text task)."""
         return self.task_spec().gpt_config()
 
-    def optimizer_config(self) -> dict[str, Any]:
+    def optimizer_config(self) -> JsonObject:
         """Return the optimizer's name, class and constructor settings (JSON-serialisable)."""
-        common: dict[str, Any] = {
+        common: JsonObject = {
             "lr": self.lr,
             "betas": list(self.betas),
             "eps": self.eps,
@@ -233,7 +234,7 @@ class TrainConfig:
         out.update(self.sparse_kwargs())
         return out
 
-    def sparse_kwargs(self) -> dict[str, Any]:
+    def sparse_kwargs(self) -> JsonObject:
         """The constructor arguments of the sparse choices beyond the dense ones (``{}`` for dense ones)."""
         if self.optimizer == "scape":
             return self.scape_kwargs()
@@ -266,7 +267,7 @@ class TrainConfig:
             return {"hook": "powersgd", "powersgd_rank": self.powersgd_rank, "start_iter": self.sparse_warmup_steps}
         return {}
 
-    def scape_kwargs(self) -> dict[str, Any]:
+    def scape_kwargs(self) -> JsonObject:
         """The SCAPE-only constructor arguments of this config."""
         return {
             "density": self.density,
@@ -303,22 +304,23 @@ def build_optimizer(config: TrainConfig, model: torch.nn.Module) -> torch.optim.
         local = config.sparse_kwargs()
         local["wire_dtype"] = getattr(torch, local["wire_dtype"])
         return LocalOptimizer(adamw, model, max_grad_norm=config.grad_clip, **local)
-    kw: dict[str, Any] = {
-        "lr": config.lr,
-        "betas": config.betas,
-        "eps": config.eps,
-        "weight_decay": config.weight_decay,
-        "max_grad_norm": config.grad_clip,
-    }
     sparse = config.sparse_kwargs()
     for key in ("wire_dtype", "normalizer_dtype"):
         if key in sparse:
             sparse[key] = getattr(torch, sparse[key])
-    opt: torch.optim.Optimizer = _CLASSES[config.optimizer](params, **kw, **sparse)
+    opt: torch.optim.Optimizer = _CLASSES[config.optimizer](
+        params,
+        lr=config.lr,
+        betas=config.betas,
+        eps=config.eps,
+        weight_decay=config.weight_decay,
+        max_grad_norm=config.grad_clip,
+        **sparse,
+    )
     return opt
 
 
-_CLASSES: dict[str, type[torch.optim.Optimizer]] = {
+_CLASSES: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "adamw": ShardedAdamW,
     "adams": ShardedAdamS,
     "scape": SCAPE,

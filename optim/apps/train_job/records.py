@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+
+from bindings.json_object import JsonObject
 
 __all__ = ["EvalRecord", "StepRecord", "TrainResult", "wire_bytes_summary"]
 
@@ -44,7 +45,7 @@ class StepRecord:
     bytes_sent_by_op: dict[str, int]
     sparse: bool | None = None
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         """The record's fields (``sparse`` left out where ``None``)."""
         out = dataclasses.asdict(self)
         if self.sparse is None:
@@ -82,19 +83,19 @@ class TrainResult:
 
     steps: tuple[StepRecord, ...]
     evals: tuple[EvalRecord, ...]
-    model: dict[str, Any]
-    task: dict[str, Any]
+    model: JsonObject
+    task: JsonObject
     num_parameters: int
-    optimizer: dict[str, Any]
+    optimizer: JsonObject
     bucket_bytes: int
-    corpus: dict[str, Any]
-    comm_stats: dict[str, Any]
+    corpus: JsonObject
+    comm_stats: JsonObject
     train_time_s: float
     world_size: int
     launcher: str
     wall_time_s: float
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
         """The result as JSON-ready fields (steps and evals as lists of their fields)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["steps"] = [s.to_json() for s in self.steps]
@@ -102,7 +103,7 @@ class TrainResult:
         return out
 
 
-def wire_bytes_summary(steps: Sequence[StepRecord], bucket_bytes: int) -> dict[str, Any]:
+def wire_bytes_summary(steps: Sequence[StepRecord], bucket_bytes: int) -> JsonObject:
     """Summarise the per-step wire bytes of rank 0: total, per step, and split by stats op.
 
     Args:

@@ -34,11 +34,11 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from bindings.errors import CommError
+from bindings.json_object import JsonObject
 from bindings.validate import check_choice, check_int
 from optim.apps.paths import pythonpath_env
 from optim.apps.train_job.job_config import OUTER_LOOPS, TORCH_ADAMW, TrainConfig, build_optimizer
@@ -138,7 +138,7 @@ class ResilienceConfig:
 TRAIN_SPEC = "train.json"
 
 
-def _train_config(fields: dict[str, Any]) -> TrainConfig:
+def _train_config(fields: JsonObject) -> TrainConfig:
     return TrainConfig(**{**fields, "betas": tuple(fields["betas"])})
 
 
@@ -241,7 +241,7 @@ def worker_main(spec_path: str) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- parent
-def run_resilient_training(config: TrainConfig, res: ResilienceConfig, out: str | Path) -> dict[str, Any]:
+def run_resilient_training(config: TrainConfig, res: ResilienceConfig, out: str | Path) -> JsonObject:
     """Run the job with the failures of ``res.kills``; return what the workers and the coordinator saw.
 
     Returns:
@@ -323,7 +323,7 @@ def run_resilient_training(config: TrainConfig, res: ResilienceConfig, out: str 
     }
 
 
-def failure_timeline(result: dict[str, Any]) -> list[dict[str, Any]]:
+def failure_timeline(result: JsonObject) -> list[JsonObject]:
     """One record per injected failure: times from the kill to detection, new epoch, restore, first commit."""
     events = result["events"]
     out = []

@@ -29,12 +29,13 @@ from __future__ import annotations
 import hashlib
 import random
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bindings.json_object import JsonObject
 from optim.apps.train_job.data import (
     VOCAB_SIZE,
     Corpus,
@@ -127,7 +128,7 @@ class Task(Protocol):
         """Validation batch ``index`` of ``rank`` (the same at every evaluation)."""
         ...
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> JsonObject:
         """Data and model, JSON-serialisable."""
         ...
 
@@ -233,7 +234,7 @@ class TextTask:
     def val_batch(self, index: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._batch(self.corpus.val, index, rank, "val")
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> JsonObject:
         return {
             "task": "text",
             "arch": self.spec.arch,
@@ -296,7 +297,7 @@ class DigitsTask:
     def val_batch(self, index: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._batch(self.x_val, self.y_val, index, rank, "val")
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> JsonObject:
         return {
             "task": "digits",
             "arch": self.arch,
