@@ -6,6 +6,7 @@ from optim.optimizers.adams import AdamS, adams_step_, adams_step_foreach_, bias
 from optim.optimizers.diloco import DiLoCo
 from optim.optimizers.local import LocalAdamS
 from optim.optimizers.local_optimizer import LocalOptimizer
+from optim.optimizers.masked_loco import MaskedLoCo
 from optim.optimizers.scape import SCAPE
 from optim.optimizers.sharded import ShardedAdamS, ShardedAdamW
 from optim.optimizers.sparseloco import SparseLoCo
@@ -16,6 +17,7 @@ __all__ = [
     "DiLoCo",
     "LocalAdamS",
     "LocalOptimizer",
+    "MaskedLoCo",
     "SCAPE",
     "ShardedAdamS",
     "ShardedAdamW",

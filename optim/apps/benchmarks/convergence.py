@@ -54,7 +54,7 @@ DEFAULT_DENSITIES = (0.1, 0.01, 0.001)
 TARGETS = {0.1: 1.02, 0.01: 1.05}
 """Largest acceptable ratio of SCAPE's final validation loss to dense AdamS's, per density."""
 
-ADAMW_BASED = ("local-adamw", "diloco-adamw", "sparseloco-adamw")
+ADAMW_BASED = ("local-adamw", "diloco-adamw", "sparseloco-adamw", "maskedloco-adamw")
 """Optimizer choices whose dense reference is AdamW (averaged gradients, same schedule), not AdamS."""
 
 ADAMW_TARGETS = {0.1: 1.03, 0.01: 1.06}
@@ -95,6 +95,7 @@ METHODS = (
     "topk",
     "diloco",
     "sparseloco",
+    "maskedloco",
 )
 """Sparse methods a convergence run can compare, each at every density: SCAPE; LocalAdamS with its defaults (``local``:
 staggered window of changes in the codes of :func:`optim.optimizers.local.auto_wire_bits`, ``window_order="auto"``,
@@ -116,7 +117,9 @@ float32 average and plain AdamS (``periodic``); TopKAdamS (top-k + error feedbac
 :class:`torch.optim.AdamW`, judged against dense AdamW at the same wire bytes per step: :class:`optim.DiLoCo`
 (``diloco``: a dense fp32 average of the pseudo-gradients every ``round(1/D)`` steps, Nesterov outer SGD 0.7 / 0.9)
 and :class:`optim.SparseLoCo` (``sparseloco``: period and chunk-wise top-k of
-:func:`optim.optimizers.sparseloco.sparseloco_plan`, 2-bit codes, error feedback as outer momentum)."""
+:func:`optim.optimizers.sparseloco.sparseloco_plan`, 2-bit codes, error feedback as outer momentum); and a
+candidate of this library's own, :class:`optim.MaskedLoCo` (``maskedloco``: SparseLoCo over a mask of each
+rank's shard agreed one outer step ahead, only values in codes through a reduce-scatter and an all-gather)."""
 
 _METHOD_OVERRIDES: dict[str, JsonObject] = {
     "scape": {"optimizer": "scape"},
@@ -259,6 +262,7 @@ _METHOD_OVERRIDES: dict[str, JsonObject] = {
     "topk": {"optimizer": "topk-adams"},
     "diloco": {"optimizer": "diloco-adamw"},
     "sparseloco": {"optimizer": "sparseloco-adamw"},
+    "maskedloco": {"optimizer": "maskedloco-adamw"},
 }
 
 

@@ -16,6 +16,7 @@ from optim.apps.train_job.tasks import TaskSpec
 from optim.optimizers.diloco import DiLoCo, diloco_period
 from optim.optimizers.local import LOCAL_SCHEDULES, NORMALIZERS, WINDOW_ORDERS, LocalAdamS
 from optim.optimizers.local_optimizer import NOISE, LocalOptimizer
+from optim.optimizers.masked_loco import MaskedLoCo
 from optim.optimizers.scape import MASK_SCORES, SCAPE, UNSELECTED_POLICIES
 from optim.optimizers.sharded import ShardedAdamS, ShardedAdamW
 from optim.optimizers.sparseloco import SparseLoCo
@@ -45,11 +46,13 @@ OPTIMIZERS = (
     "ddp-sparse-adamw",
     "diloco-adamw",
     "sparseloco-adamw",
+    "maskedloco-adamw",
 )
 """Choices of ``TrainConfig.optimizer``: ShardedAdamW, ShardedAdamS, SCAPE, LocalAdamS,
 :class:`torch.optim.AdamW` wrapped by :class:`optim.LocalOptimizer` (``local-adamw``), TopKAdamS,
-:class:`torch.optim.AdamW` inside :class:`optim.DiLoCo` or :class:`optim.SparseLoCo` at the density's
-bytes per step (``diloco-adamw``, ``sparseloco-adamw``), and :class:`torch.optim.AdamW` with the gradients
+:class:`torch.optim.AdamW` inside :class:`optim.DiLoCo`, :class:`optim.SparseLoCo` or :class:`optim.MaskedLoCo` at
+the density's bytes per step (``diloco-adamw``, ``sparseloco-adamw``, ``maskedloco-adamw``), and
+:class:`torch.optim.AdamW` with the gradients
 synchronized outside it: the original bucket all-reduce, or torch's DDP with the PowerSGD hook or sparsecomm's
 sparse hook."""
 
@@ -61,10 +64,15 @@ SPARSE_OPTIMIZERS = (
     "ddp-sparse-adamw",
     "diloco-adamw",
     "sparseloco-adamw",
+    "maskedloco-adamw",
 )
 """The choices that take ``density`` and ``sparse_warmup_steps``."""
 
-OUTER_LOOPS: dict[str, type[DiLoCo] | type[SparseLoCo]] = {"diloco-adamw": DiLoCo, "sparseloco-adamw": SparseLoCo}
+OUTER_LOOPS: dict[str, type[DiLoCo] | type[SparseLoCo] | type[MaskedLoCo]] = {
+    "diloco-adamw": DiLoCo,
+    "sparseloco-adamw": SparseLoCo,
+    "maskedloco-adamw": MaskedLoCo,
+}
 """The choices that wrap :class:`torch.optim.AdamW` in an outer loop (:class:`optim.optimizers.outer.OuterLoop`)."""
 
 DDP_HOOKS = {"ddp-powersgd-adamw": "powersgd", "ddp-sparse-adamw": "sparse"}
@@ -240,7 +248,7 @@ class TrainConfig:
             return self.scape_kwargs()
         if self.optimizer == "diloco-adamw":  # one fp32 all_reduce every 1/density steps
             return {"period": diloco_period(self.density), "warmup_steps": self.sparse_warmup_steps}
-        if self.optimizer == "sparseloco-adamw":  # period and top-k from the density (optim.sparseloco_plan)
+        if self.optimizer in ("sparseloco-adamw", "maskedloco-adamw"):  # period and k from the density
             return {"density": self.density, "warmup_steps": self.sparse_warmup_steps}
         averaging = {  # LocalAdamS's and LocalOptimizer's averaging (optim.optimizers.averaging.Averaging)
             "density": self.density,
