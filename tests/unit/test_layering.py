@@ -49,9 +49,9 @@ def _imported_modules(path: Path) -> set[str]:
 
 #: Files outside bindings allowed to use a transport, and why.
 TRANSPORT_EXCEPTIONS = {
-    # The torchft baseline of the recovery benchmark drives torchft's own
-    # process groups and stores, as torchft's users do.
-    "optim/apps/benchmarks/torchft_baseline.py",
+    # The replicas of the recovery benchmark's torchft baseline drive torchft's
+    # own process groups and stores, as torchft's users do.
+    "optim/apps/benchmarks/torchft_replica.py",
     # The train job's DDP choices (and the DDP hook benchmark) run torch's DDP with torch's own hooks
     # (all-reduce, PowerSGD) as their users do, and count their bytes around torch.distributed's collectives.
     "optim/apps/train_job/ddp.py",

@@ -5,7 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from optim.apps.benchmarks.torchft_phases import analyse, last_committed_step, read_replica_events
+from optim.apps.benchmarks.torchft_phases import (
+    analyse,
+    last_committed_step,
+    read_replica_events,
+    replacement_timeline,
+    survivor_phases,
+)
 from resilient_comm.events import EventWriter
 
 T_KILL = 100.0
@@ -70,3 +76,13 @@ def test_reading_before_a_replica_wrote_anything(tmp_path: Path) -> None:
     out = analyse({"a": tmp_path / "a.jsonl"}, ["a"], None, T_KILL, None, 3, 5)
     assert out["every_survivor_error_seen_s"] == {"min": None, "max": None, "missing": 1}
     assert "replacement" not in out
+
+
+def test_survivor_phases_record_and_replacement_without_ready() -> None:
+    phases = survivor_phases(_survivor(0.0), T_KILL, 3, {3}, 11)
+    assert phases.quorum_without_victim_s == 1.0 and phases.new_quorum_includes_replacement is False
+    assert list(phases.to_json())[:3] == ["error_seen_s", "error", "new_quorum_s"]
+    assert phases.to_json()["final_step"] == 14
+    rep = replacement_timeline([{"t": T_KILL + 1.0, "kind": "commit", "committed": True, "step": 3}], T_KILL, None)
+    assert rep["start_signal_s"] is None and rep["first_commit_s"] == 1.0 and rep["final_step"] == 3
+    assert "manager_ready_to_first_commit_s" not in rep

@@ -9,6 +9,11 @@ replica index, which joins the next quorum and heals (fetches the live state fro
 checkpoint transport).  The phase timings are then computed from the event files, relative to the SIGKILL
 (:mod:`optim.apps.benchmarks.torchft_phases`).
 
+:func:`run_torchft_recovery_from` takes its settings as a :class:`TorchftRecoveryConfig`;
+:func:`run_torchft_recovery` takes them as the benchmark's options (durations in seconds or milliseconds).  Each
+replica process gets a :class:`~optim.apps.benchmarks.torchft_replica.ReplicaSettings`
+(:mod:`optim.apps.benchmarks.torchft_replica`).
+
 torchft is imported lazily inside the functions so that importing this module never requires torchft.
 
 Example::
@@ -27,157 +32,533 @@ import shutil
 import signal
 import tempfile
 import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
 from datetime import timedelta
+from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Any
 
+from bindings.json_object import JsonObject
 from optim.apps.benchmarks.torchft_phases import analyse, last_committed_step, read_replica_events
-from resilient_comm.events import EventWriter
+from optim.apps.benchmarks.torchft_replica import POLL_S, ReplicaSettings, replica_main, write_stop_step
+
+__all__ = ["TorchftRecoveryConfig", "run_torchft_recovery", "run_torchft_recovery_from"]
 
 logger = logging.getLogger(__name__)
 
-_POLL_S = 0.005
 _STOP_MARGIN_STEPS = 10
+_STOP_FILE = "stop_step"
 
 
-def _emit(events: EventWriter, kind: str, **fields: Any) -> None:
-    """Appends one timestamped event to this replica's event file.
+@dataclass(frozen=True, kw_only=True)
+class TorchftRecoveryConfig:
+    """One run of the torchft recovery benchmark: kill one replica group mid-training, watch the rest recover.
 
-    Args:
-        events: Event file of this replica process.
-        kind: Event name.
-        **fields: Extra JSON-serialisable fields.
+    Attributes:
+        n: Number of replica groups (one process and one rank each; >= 3).
+        kill_step: The victim is SIGKILLed once it has committed this many steps (``0 < kill_step < steps``).
+        steps: Steps every replica runs; moved forward while the replacement has not committed yet.
+        numel: Float32 elements allreduced per step.
+        timeout: Hard wall-clock deadline for the whole run, children included.
+        victim: Index of the replica group that is killed.
+        restart: Whether to start a replacement for the victim right after the kill.
+        prewarm: If True the replacement process is spawned at the start, imports torch/torchft and waits; the
+            kill releases it (a warm spare).  If False it is spawned cold right after the kill.
+        kill_phase: ``"compute"`` kills the victim once it has finished the quorum of step ``kill_step`` (it is in
+            the simulated compute, so the survivors hit the dead peer inside the allreduce); ``"quorum"`` kills it
+            right after its commit of step ``kill_step`` (it is entering the next quorum, so the survivors only
+            see it missing from the lighthouse quorum).
+        step_sleep: Sleep between quorum and allreduce that stands in for compute.
+        heartbeat_timeout: Lighthouse: heartbeat age after which a replica counts as dead (whole milliseconds).
+        join_timeout: Lighthouse: how long a valid quorum waits for heartbeating stragglers (whole milliseconds).
+        quorum_tick: Lighthouse: quorum re-evaluation period (whole milliseconds).
+        heartbeat_interval: Manager: heartbeat period to the lighthouse.
+        manager_timeout: Manager ``timeout`` (should_commit RPC, checkpoint transfer, futures).
+        quorum_timeout: Manager ``quorum_timeout``.
+        connect_timeout: Manager ``connect_timeout``.
+        pg_timeout: ``ProcessGroupGloo(timeout=...)``, the collective timeout.
+        rust_log: ``RUST_LOG`` for the children and the lighthouse unless already set (torchft's Rust side logs
+            every quorum at INFO).
+        min_replicas: Lighthouse ``min_replicas`` and Manager ``min_replica_size``; None means ``n - 1`` (the
+            survivors alone form a valid quorum).
+        events_dir: If set, the raw per-replica JSON-lines event files are copied into this directory.
+
+    Raises:
+        ValueError: On inconsistent settings.
     """
-    events.write({"t": time.time(), "kind": kind, **fields})
+
+    n: int = 4
+    kill_step: int = 20
+    steps: int = 40
+    numel: int = 1 << 16
+    timeout: timedelta = timedelta(seconds=120)
+    victim: int = 2
+    restart: bool = True
+    prewarm: bool = False
+    kill_phase: str = "compute"
+    step_sleep: timedelta = timedelta(seconds=0.05)
+    heartbeat_timeout: timedelta = timedelta(milliseconds=1000)
+    join_timeout: timedelta = timedelta(milliseconds=1000)
+    quorum_tick: timedelta = timedelta(milliseconds=50)
+    heartbeat_interval: timedelta = timedelta(milliseconds=100)
+    manager_timeout: timedelta = timedelta(seconds=5)
+    quorum_timeout: timedelta = timedelta(seconds=30)
+    connect_timeout: timedelta = timedelta(seconds=5)
+    pg_timeout: timedelta = timedelta(seconds=5)
+    rust_log: str = "warn"
+    min_replicas: int | None = None
+    events_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        n, victim = self.n, self.victim
+        if n < 3 or not 0 <= victim < n or not 0 < self.kill_step < self.steps:
+            raise ValueError(f"need n >= 3, 0 <= victim < n and 0 < kill_step < steps (n={n}, victim={victim})")
+        if self.kill_phase not in ("compute", "quorum"):
+            raise ValueError(f"kill_phase must be 'compute' or 'quorum', got {self.kill_phase!r}")
+
+    @property
+    def quorum_min(self) -> int:
+        """``min_replicas``, or ``n - 1`` when it is None."""
+        return self.n - 1 if self.min_replicas is None else self.min_replicas
 
 
-def _read_stop_step(path: str, default: int) -> int:
-    """Reads the step at which replicas stop; the parent may move it forward while a replacement catches up.
+def _ms(duration: timedelta) -> int:
+    """Returns ``duration`` in whole milliseconds, as the lighthouse takes them."""
+    return duration // timedelta(milliseconds=1)
+
+
+def _settings_json(config: TorchftRecoveryConfig, *, torchft_version: str | None, rust_log: str | None) -> JsonObject:
+    """Describes the run's settings for its result, in the benchmark's units (``*_s`` seconds, ``*_ms`` ms).
 
     Args:
-        path: File holding the stop step as decimal text.
-        default: Value used when the file is missing or unreadable.
+        config: The run's settings.
+        torchft_version: The installed torchft version.
+        rust_log: The ``RUST_LOG`` in effect.
 
     Returns:
-        The stop step.
+        The ``settings`` object of the result.
     """
-    try:
-        return int(Path(path).read_text(encoding="utf-8").strip())
-    except (OSError, ValueError):
-        return default
+    return {
+        "torchft_version": torchft_version,
+        "n": config.n,
+        "kill_step": config.kill_step,
+        "steps": config.steps,
+        "numel": config.numel,
+        "timeout_s": config.timeout.total_seconds(),
+        "victim": config.victim,
+        "restart": config.restart,
+        "prewarm": config.prewarm,
+        "kill_phase": config.kill_phase,
+        "rust_log": rust_log,
+        "step_sleep_s": config.step_sleep.total_seconds(),
+        "lighthouse": {
+            "min_replicas": config.quorum_min,
+            "heartbeat_timeout_ms": _ms(config.heartbeat_timeout),
+            "join_timeout_ms": _ms(config.join_timeout),
+            "quorum_tick_ms": _ms(config.quorum_tick),
+        },
+        "manager": {
+            "min_replica_size": config.quorum_min,
+            "use_async_quorum": False,
+            "timeout_s": config.manager_timeout.total_seconds(),
+            "quorum_timeout_s": config.quorum_timeout.total_seconds(),
+            "connect_timeout_s": config.connect_timeout.total_seconds(),
+            "heartbeat_interval_ms": _ms(config.heartbeat_interval),
+            "world_size": 1,
+            "checkpoint_transport": "HTTPTransport (default)",
+            "init_sync": True,
+        },
+        "process_group": {"class": "torchft.ProcessGroupGloo", "timeout_s": config.pg_timeout.total_seconds()},
+        "processes": "multiprocessing spawn, 1 rank per replica group, own TCPStore each",
+    }
 
 
-def _write_stop_step(path: str, step: int) -> None:
-    """Atomically writes the stop step.
+@dataclass(frozen=True, kw_only=True)
+class _Roles:
+    """Who is who in a run, by process label.
+
+    Attributes:
+        labels: The ``n`` original replicas, ``replica_{index}``.
+        victim: The replica that is killed.
+        survivors: The others.
+        replacement: The victim's replacement; None without a restart.
+    """
+
+    labels: tuple[str, ...]
+    victim: str
+    survivors: tuple[str, ...]
+    replacement: str | None
+
+    @classmethod
+    def of(cls, config: TorchftRecoveryConfig) -> _Roles:
+        """Returns the roles of ``config``'s run."""
+        labels = tuple(f"replica_{i}" for i in range(config.n))
+        victim = labels[config.victim]
+        return cls(
+            labels=labels,
+            victim=victim,
+            survivors=tuple(lb for lb in labels if lb != victim),
+            replacement=f"{victim}_replacement" if config.restart else None,
+        )
+
+
+def _replica_settings(
+    config: TorchftRecoveryConfig, *, index: int, events: Path, workdir: Path, lighthouse_addr: str, deadline: float
+) -> ReplicaSettings:
+    """Returns what the replica process with ``index`` gets.
 
     Args:
-        path: File holding the stop step.
-        step: New stop step.
+        config: The run's settings.
+        index: The replica-group index.
+        events: The process's event file.
+        workdir: The run's directory, with the stop file.
+        lighthouse_addr: The lighthouse's address.
+        deadline: Absolute ``time.time()`` at which the run ends.
+
+    Returns:
+        Its settings, without a go file.
     """
-    tmp = f"{path}.tmp"
-    Path(tmp).write_text(str(step), encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def _replica_main(cfg: dict[str, Any]) -> None:
-    """Body of one replica-group process (rank 0 of a replica group of size 1).
-
-    Args:
-        cfg: Settings from the parent: ``index``, ``events``, ``stop_file``, ``steps``, ``numel``,
-            ``lighthouse_addr``, ``min_replica_size``, ``timeout_s``, ``quorum_timeout_s``, ``connect_timeout_s``,
-            ``pg_timeout_s``, ``heartbeat_interval_ms``, ``step_sleep_s``, ``deadline`` (absolute ``time.time()``).
-    """
-    events = EventWriter(cfg["events"])
-    _emit(events, "process_start", pid=os.getpid())
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
-    os.environ.setdefault("RUST_LOG", cfg["rust_log"])
-
-    import torch
-    from torch.distributed import TCPStore
-    from torchft import Manager, ProcessGroupGloo
-
-    torch.set_num_threads(1)
-    index = int(cfg["index"])
-    _emit(events, "imported")
-    go_file = cfg.get("go_file")
-    if go_file:  # pre-warmed spare: interpreter and imports are paid, wait for the parent's go signal
-        while not os.path.exists(go_file):
-            if time.time() >= cfg["deadline"]:
-                _emit(events, "fatal", where="prewarm", error="no go signal before the deadline")
-                return
-            time.sleep(_POLL_S)
-        _emit(events, "go_seen")
-
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    weights = torch.zeros(int(cfg["numel"]), dtype=torch.float32)
-
-    def load_state_dict(state: dict[str, torch.Tensor]) -> None:
-        weights.copy_(state["weights"])
-        _emit(events, "healed")
-
-    def state_dict() -> dict[str, torch.Tensor]:
-        return {"weights": weights}
-
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=timedelta(seconds=cfg["pg_timeout_s"])),
-        load_state_dict=load_state_dict,
-        state_dict=state_dict,
-        min_replica_size=int(cfg["min_replica_size"]),
-        use_async_quorum=False,
-        timeout=timedelta(seconds=cfg["timeout_s"]),
-        quorum_timeout=timedelta(seconds=cfg["quorum_timeout_s"]),
-        connect_timeout=timedelta(seconds=cfg["connect_timeout_s"]),
-        rank=0,
-        world_size=1,
-        store_addr="127.0.0.1",
-        store_port=store.port,
-        lighthouse_addr=cfg["lighthouse_addr"],
-        replica_id=f"replica_{index}",
-        hostname="127.0.0.1",
-        heartbeat_interval=timedelta(milliseconds=cfg["heartbeat_interval_ms"]),
+    return ReplicaSettings(
+        index=index,
+        events=events,
+        stop_file=workdir / _STOP_FILE,
+        steps=config.steps,
+        numel=config.numel,
+        lighthouse_addr=lighthouse_addr,
+        min_replica_size=config.quorum_min,
+        manager_timeout=config.manager_timeout,
+        quorum_timeout=config.quorum_timeout,
+        connect_timeout=config.connect_timeout,
+        pg_timeout=config.pg_timeout,
+        heartbeat_interval=config.heartbeat_interval,
+        step_sleep=config.step_sleep,
+        deadline=deadline,
+        rust_log=config.rust_log,
     )
-    _emit(events, "ready")
 
-    grad = torch.empty_like(weights)
+
+class _Replicas:
+    """The replica processes of one run and their event files, by label."""
+
+    def __init__(self, config: TorchftRecoveryConfig, workdir: Path, lighthouse_addr: str, deadline: float) -> None:
+        """Prepares the run's directory; no process starts yet.
+
+        Args:
+            config: The run's settings.
+            workdir: The run's directory: event files, stop file and go file.
+            lighthouse_addr: The lighthouse's address.
+            deadline: Absolute ``time.time()`` at which the run ends.
+        """
+        self._config = config
+        self._workdir = workdir
+        self._lighthouse_addr = lighthouse_addr
+        self.deadline = deadline
+        self.stop_file = workdir / _STOP_FILE
+        self.go_file = workdir / "go"
+        self.procs: dict[str, BaseProcess] = {}
+        self.files: dict[str, Path] = {}
+        self._ctx = mp.get_context("spawn")
+        write_stop_step(self.stop_file, config.steps)
+
+    def spawn(self, label: str, index: int, *, prewarmed: bool = False) -> None:
+        """Starts the process ``label`` as replica group ``index``.
+
+        Args:
+            label: Process label; its events go to ``<label>.jsonl``.
+            index: Replica-group index.
+            prewarmed: The process waits for the go file after its imports (a warm spare).
+        """
+        self.files[label] = self._workdir / f"{label}.jsonl"
+        settings = _replica_settings(
+            self._config,
+            index=index,
+            events=self.files[label],
+            workdir=self._workdir,
+            lighthouse_addr=self._lighthouse_addr,
+            deadline=self.deadline,
+        )
+        if prewarmed:
+            settings = replace(settings, go_file=self.go_file)
+        proc = self._ctx.Process(target=replica_main, args=(settings,), name=f"torchft-{label}", daemon=True)
+        proc.start()
+        self.procs[label] = proc
+
+    def sigkill(self, label: str) -> None:
+        """Kills process ``label`` with SIGKILL.
+
+        Raises:
+            RuntimeError: It was never started.
+        """
+        pid = self.procs[label].pid
+        if pid is None:
+            raise RuntimeError(f"{label} was never started")
+        os.kill(pid, signal.SIGKILL)
+
+    def events(self, label: str) -> list[JsonObject]:
+        """Returns the events process ``label`` has written so far."""
+        return read_replica_events(self.files[label])
+
+    def any_alive(self, *, besides: str) -> bool:
+        """Whether a process other than ``besides`` is still running."""
+        return any(p.is_alive() for lb, p in self.procs.items() if lb != besides)
+
+    def join(self) -> None:
+        """Waits for every process to end, up to 5 s each and not past the deadline."""
+        for proc in self.procs.values():
+            proc.join(timeout=max(0.0, min(5.0, self.deadline - time.time())))
+
+    def kill_leftovers(self) -> None:
+        """Kills the processes still running (a warning each)."""
+        for label, proc in self.procs.items():
+            if proc.is_alive():
+                logger.warning("killing %s (pid %s) still alive at the end", label, proc.pid)
+                proc.kill()
+                proc.join(timeout=5.0)
+
+    def exitcodes(self) -> dict[str, int | None]:
+        """Returns each process's exit code (negative: killed by that signal; None: still running)."""
+        return {label: proc.exitcode for label, proc in self.procs.items()}
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Kill:
+    """The SIGKILL of the victim.
+
+    Attributes:
+        t_kill: ``time.time()`` right after ``os.kill``.
+        last_quorum_participants: Size of the victim's last quorum before the kill (None: it had none).
+        last_event_before_kill: Kind of the victim's last event before the kill.
+        kill_at_step: The victim's last committed step, read after the kill.
+    """
+
+    t_kill: float
+    last_quorum_participants: int | None
+    last_event_before_kill: str
+    kill_at_step: int
+
+    def to_json(self) -> JsonObject:
+        """Returns the kill's entries of the benchmark's result."""
+        return {
+            "victim_last_quorum_participants": self.last_quorum_participants,
+            "victim_last_event_before_kill": self.last_event_before_kill,
+            "kill_at_step": self.kill_at_step,
+        }
+
+
+def _ready_to_kill(events: Sequence[JsonObject], kill_step: int, kill_phase: str) -> bool:
+    """Whether the victim has reached the point where it is to be killed.
+
+    Args:
+        events: The victim's events so far.
+        kill_step: The step it must have committed.
+        kill_phase: ``"compute"``: also, its last event is a finished quorum; ``"quorum"``: the commit is enough.
+
+    Returns:
+        True when it is to be killed now.
+    """
+    if last_committed_step(events) < kill_step:
+        return False
+    return kill_phase != "compute" or events[-1]["kind"] == "quorum_done"
+
+
+def _kill_victim(config: TorchftRecoveryConfig, replicas: _Replicas, victim: str) -> _Kill:
+    """Waits until the victim reaches the kill point (:func:`_ready_to_kill`), then SIGKILLs it.
+
+    Args:
+        config: The run's settings.
+        replicas: The running processes.
+        victim: The victim's label.
+
+    Returns:
+        When it was killed and where it was.
+
+    Raises:
+        RuntimeError: The victim recorded a fatal error first.
+        TimeoutError: It did not get there before the deadline.
+    """
+    while time.time() < replicas.deadline:
+        ev = replicas.events(victim)
+        if any(e["kind"] == "fatal" for e in ev):
+            raise RuntimeError(f"{victim} failed before the kill: {ev[-1]}")
+        if _ready_to_kill(ev, config.kill_step, config.kill_phase):
+            quorums = [e for e in ev if e["kind"] == "quorum_done"]
+            participants = quorums[-1]["participants"] if quorums else None
+            replicas.sigkill(victim)
+            t_kill = time.time()
+            return _Kill(
+                t_kill=t_kill,
+                last_quorum_participants=participants,
+                last_event_before_kill=ev[-1]["kind"],
+                kill_at_step=last_committed_step(replicas.events(victim)),
+            )
+        time.sleep(POLL_S)
+    raise TimeoutError(f"victim did not reach step {config.kill_step} before the deadline")
+
+
+def _start_replacement(config: TorchftRecoveryConfig, replicas: _Replicas, roles: _Roles) -> float | None:
+    """Starts the victim's replacement: releases the warm spare, or spawns it cold.
+
+    Args:
+        config: The run's settings.
+        replicas: The running processes.
+        roles: Who is who.
+
+    Returns:
+        ``time.time()`` right before the start; None without a replacement.
+    """
+    if roles.replacement is None:
+        return None
+    t_spawn = time.time()
+    if config.prewarm:
+        replicas.go_file.touch()
+    else:
+        replicas.spawn(roles.replacement, config.victim)
+    return t_spawn
+
+
+def _moved_stop_step(stop: int, survivor_steps: Sequence[int], replacement_committed: bool) -> int:
+    """Returns the stop step, moved forward while the replacement has not committed and the survivors near it.
+
+    Args:
+        stop: The current stop step.
+        survivor_steps: Each survivor's last committed step.
+        replacement_committed: Whether the replacement has committed a step (or there is none).
+
+    Returns:
+        ``stop``, or ``2 * _STOP_MARGIN_STEPS`` past the furthest survivor once it is within
+        ``_STOP_MARGIN_STEPS`` of ``stop``.
+    """
+    furthest = max(survivor_steps)
+    if not replacement_committed and furthest >= stop - _STOP_MARGIN_STEPS:
+        return furthest + 2 * _STOP_MARGIN_STEPS
+    return stop
+
+
+def _await_replacement(config: TorchftRecoveryConfig, replicas: _Replicas, roles: _Roles) -> int:
+    """Keeps the survivors running until the replacement has committed, then lets every process finish.
+
+    Args:
+        config: The run's settings.
+        replicas: The running processes.
+        roles: Who is who.
+
+    Returns:
+        The final stop step.
+    """
+    stop = config.steps
+    while time.time() < replicas.deadline:
+        survivor_steps = [last_committed_step(replicas.events(s)) for s in roles.survivors]
+        committed = roles.replacement is None or any(
+            e["kind"] == "commit" and e["committed"] for e in replicas.events(roles.replacement)
+        )
+        moved = _moved_stop_step(stop, survivor_steps, committed)
+        if moved != stop:
+            stop = moved
+            write_stop_step(replicas.stop_file, stop)
+        if not replicas.any_alive(besides=roles.victim):
+            break
+        time.sleep(POLL_S)
+    return stop
+
+
+def _outcome(
+    config: TorchftRecoveryConfig, replicas: _Replicas, roles: _Roles, kill: _Kill | None, t_spawn: float | None
+) -> JsonObject:
+    """Reads the event files once the processes have ended: phase timings, checksums and fatal errors.
+
+    Args:
+        config: The run's settings.
+        replicas: The ended processes.
+        roles: Who is who.
+        kill: The victim's kill; None when it never happened (no phases then).
+        t_spawn: ``time.time()`` right before the replacement was started, if it was.
+
+    Returns:
+        The phases (:func:`~optim.apps.benchmarks.torchft_phases.analyse`), ``final_checksums`` and ``fatal_events``.
+    """
+    out: JsonObject = {}
+    if kill is not None:
+        survivors = list(roles.survivors)
+        out.update(
+            analyse(replicas.files, survivors, roles.replacement, kill.t_kill, t_spawn, config.n, kill.kill_at_step)
+        )
+    events = {label: read_replica_events(path) for label, path in replicas.files.items()}
+    out["final_checksums"] = {
+        label: next((e["checksum"] for e in ev if e["kind"] == "done"), None) for label, ev in events.items()
+    }
+    out["fatal_events"] = [{"replica": label, **e} for label, ev in events.items() for e in ev if e["kind"] == "fatal"]
+    return out
+
+
+def _copy_events(files: Iterable[Path], events_dir: str) -> None:
+    """Copies the event files that exist into ``events_dir`` (created if needed)."""
+    Path(events_dir).mkdir(parents=True, exist_ok=True)
+    for path in files:
+        if path.exists():
+            shutil.copy2(path, Path(events_dir) / path.name)
+
+
+def _torchft_version() -> str | None:
+    """Imports torchft and returns its version (None when it has none)."""
+    import torchft
+
+    return getattr(torchft, "__version__", None) or _dist_version("torchft")
+
+
+def run_torchft_recovery_from(config: TorchftRecoveryConfig) -> JsonObject:
+    """Kills one torchft replica group mid-training and measures how the rest and a replacement recover.
+
+    Args:
+        config: The run's settings.
+
+    Returns:
+        The settings used, the kill/restart timestamps and phase timings in seconds relative to the SIGKILL; on a
+        failure before the kill, ``error`` and no phases.
+    """
+    os.environ.setdefault("RUST_LOG", config.rust_log)
+    version = _torchft_version()
+    from torchft.coordination import LighthouseServer
+
+    t_start = time.time()
+    settings = _settings_json(config, torchft_version=version, rust_log=os.environ.get("RUST_LOG"))
+    workdir = Path(tempfile.mkdtemp(prefix="torchft_bench_"))
+    lighthouse = LighthouseServer(
+        bind="[::]:0",
+        min_replicas=config.quorum_min,
+        join_timeout_ms=_ms(config.join_timeout),
+        quorum_tick_ms=_ms(config.quorum_tick),
+        heartbeat_timeout_ms=_ms(config.heartbeat_timeout),
+    )
+    replicas = _Replicas(config, workdir, lighthouse.address(), t_start + config.timeout.total_seconds())
+    result: JsonObject = {"settings": settings, "lighthouse_addr": lighthouse.address()}
+    roles = _Roles.of(config)
+    kill: _Kill | None = None
+    t_spawn: float | None = None
     try:
-        while time.time() < cfg["deadline"]:
-            step = manager.current_step()
-            if step >= _read_stop_step(cfg["stop_file"], int(cfg["steps"])):
-                break
-            _emit(events, "quorum_start", step=step)
-            try:
-                manager.start_quorum()
-            except Exception as exc:  # torchft treats a failed quorum as fatal for the process
-                _emit(events, "fatal", where="start_quorum", error=repr(exc)[:300])
-                return
-            _emit(
-                events,
-                "quorum_done",
-                step=manager.current_step(),
-                quorum_id=getattr(manager, "_quorum_id", None),
-                participants=manager.num_participants(),
-                errored=manager.errored() is not None,
-            )
-            time.sleep(cfg["step_sleep_s"])  # stand-in for forward/backward
-            grad.fill_(float(index + 1))
-            work = manager.allreduce(grad)
-            ok = bool(work.wait())
-            err = manager.errored()
-            _emit(
-                events,
-                "allreduce",
-                step=manager.current_step(),
-                ok=ok and err is None,
-                error=None if err is None else repr(err.original_exception)[:300],
-            )
-            committed = manager.should_commit()
-            if committed:
-                weights.add_(grad, alpha=-1e-3)
-            _emit(events, "commit", committed=bool(committed), step=manager.current_step())
-        _emit(events, "done", step=manager.current_step(), checksum=float(weights.double().sum()))
+        for i, label in enumerate(roles.labels):
+            replicas.spawn(label, i)
+        if roles.replacement is not None and config.prewarm:
+            replicas.spawn(roles.replacement, config.victim, prewarmed=True)
+        kill = _kill_victim(config, replicas, roles.victim)
+        result.update(kill.to_json())
+        t_spawn = _start_replacement(config, replicas, roles)
+        result["final_stop_step"] = _await_replacement(config, replicas, roles)
+        replicas.join()
+    except (RuntimeError, TimeoutError) as exc:
+        logger.error("torchft recovery benchmark aborted: %s", exc)
+        result["error"] = repr(exc)
     finally:
+        replicas.kill_leftovers()
         with contextlib.suppress(Exception):
-            manager.shutdown(wait=False)
+            lighthouse.shutdown()
+        result["exitcodes"] = replicas.exitcodes()
+        result["wall_s"] = round(time.time() - t_start, 3)
+        result.update(_outcome(config, replicas, roles, kill, t_spawn))
+        if config.events_dir is not None:
+            _copy_events(replicas.files.values(), config.events_dir)
+            result["events_dir"] = config.events_dir
+        shutil.rmtree(workdir, ignore_errors=True)
+    return result
 
 
 def run_torchft_recovery(
@@ -203,221 +584,47 @@ def run_torchft_recovery(
     rust_log: str = "warn",
     min_replicas: int | None = None,
     events_dir: str | None = None,
-) -> dict[str, Any]:
-    """Kills one torchft replica group mid-training and measures how the rest and a replacement recover.
+) -> JsonObject:
+    """:func:`run_torchft_recovery_from` with the benchmark's options, durations in seconds or milliseconds.
 
     Args:
-        n: Number of replica groups (one process and one rank each).
-        kill_step: The victim is SIGKILLed once it has committed this many steps.
-        steps: Steps every replica runs; moved forward while the replacement has not committed yet.
-        numel: Float32 elements allreduced per step.
-        timeout_s: Hard wall-clock deadline for the whole run, children included.
-        victim: Index of the replica group that is killed.
-        restart: Whether to start a replacement for the victim right after the kill.
-        prewarm: If True the replacement process is spawned at the start, imports torch/torchft and waits; the
-            kill releases it (a warm spare).  If False it is spawned cold right after the kill.
-        kill_phase: ``"compute"`` kills the victim once it has finished the quorum of step ``kill_step`` (it is in
-            the simulated compute, so the survivors hit the dead peer inside the allreduce); ``"quorum"`` kills it
-            right after its commit of step ``kill_step`` (it is entering the next quorum, so the survivors only
-            see it missing from the lighthouse quorum).
-        rust_log: ``RUST_LOG`` for the children and the lighthouse unless already set (torchft's Rust side logs
-            every quorum at INFO).
-        min_replicas: Lighthouse ``min_replicas`` and Manager ``min_replica_size``; None means ``n - 1`` (the
-            survivors alone form a valid quorum).
-        events_dir: If set, the raw per-replica JSON-lines event files are copied into this directory.
-        step_sleep_s: Sleep between quorum and allreduce that stands in for compute.
-        heartbeat_timeout_ms: Lighthouse: heartbeat age after which a replica counts as dead.
-        join_timeout_ms: Lighthouse: how long a valid quorum waits for heartbeating stragglers.
-        quorum_tick_ms: Lighthouse: quorum re-evaluation period.
-        heartbeat_interval_ms: Manager: heartbeat period to the lighthouse.
-        manager_timeout_s: Manager ``timeout`` (should_commit RPC, checkpoint transfer, futures).
-        quorum_timeout_s: Manager ``quorum_timeout``.
-        connect_timeout_s: Manager ``connect_timeout``.
-        pg_timeout_s: ``ProcessGroupGloo(timeout=...)``, the collective timeout.
+        n, kill_step, steps, numel, victim, restart, prewarm, kill_phase, rust_log, min_replicas, events_dir: The
+            :class:`TorchftRecoveryConfig` attributes of the same name.
+        timeout_s, step_sleep_s, manager_timeout_s, quorum_timeout_s, connect_timeout_s, pg_timeout_s: Its
+            ``timeout``, ``step_sleep``, ``manager_timeout``, ... in seconds.
+        heartbeat_timeout_ms, join_timeout_ms, quorum_tick_ms, heartbeat_interval_ms: Its ``heartbeat_timeout``,
+            ``join_timeout``, ``quorum_tick`` and ``heartbeat_interval`` in milliseconds.
 
     Returns:
-        The settings used, the kill/restart timestamps and phase timings in seconds relative to the SIGKILL.
+        The run's result (:func:`run_torchft_recovery_from`).
 
     Raises:
         ValueError: On inconsistent arguments.
     """
-    if n < 3 or not 0 <= victim < n or not 0 < kill_step < steps:
-        raise ValueError(f"need n >= 3, 0 <= victim < n and 0 < kill_step < steps (n={n}, victim={victim})")
-    if kill_phase not in ("compute", "quorum"):
-        raise ValueError(f"kill_phase must be 'compute' or 'quorum', got {kill_phase!r}")
-
-    os.environ.setdefault("RUST_LOG", rust_log)
-    import torchft
-    from torchft.coordination import LighthouseServer
-
-    t_start = time.time()
-    deadline = t_start + timeout_s
-    min_replicas = n - 1 if min_replicas is None else min_replicas
-    settings: dict[str, Any] = {
-        "torchft_version": getattr(torchft, "__version__", None) or _dist_version("torchft"),
-        "n": n,
-        "kill_step": kill_step,
-        "steps": steps,
-        "numel": numel,
-        "timeout_s": timeout_s,
-        "victim": victim,
-        "restart": restart,
-        "prewarm": prewarm,
-        "kill_phase": kill_phase,
-        "rust_log": os.environ.get("RUST_LOG"),
-        "step_sleep_s": step_sleep_s,
-        "lighthouse": {
-            "min_replicas": min_replicas,
-            "heartbeat_timeout_ms": heartbeat_timeout_ms,
-            "join_timeout_ms": join_timeout_ms,
-            "quorum_tick_ms": quorum_tick_ms,
-        },
-        "manager": {
-            "min_replica_size": min_replicas,
-            "use_async_quorum": False,
-            "timeout_s": manager_timeout_s,
-            "quorum_timeout_s": quorum_timeout_s,
-            "connect_timeout_s": connect_timeout_s,
-            "heartbeat_interval_ms": heartbeat_interval_ms,
-            "world_size": 1,
-            "checkpoint_transport": "HTTPTransport (default)",
-            "init_sync": True,
-        },
-        "process_group": {"class": "torchft.ProcessGroupGloo", "timeout_s": pg_timeout_s},
-        "processes": "multiprocessing spawn, 1 rank per replica group, own TCPStore each",
-    }
-
-    workdir = Path(tempfile.mkdtemp(prefix="torchft_bench_"))
-    stop_file = str(workdir / "stop_step")
-    _write_stop_step(stop_file, steps)
-    lighthouse = LighthouseServer(
-        bind="[::]:0",
+    config = TorchftRecoveryConfig(
+        n=n,
+        kill_step=kill_step,
+        steps=steps,
+        numel=numel,
+        timeout=timedelta(seconds=timeout_s),
+        victim=victim,
+        restart=restart,
+        prewarm=prewarm,
+        kill_phase=kill_phase,
+        step_sleep=timedelta(seconds=step_sleep_s),
+        heartbeat_timeout=timedelta(milliseconds=heartbeat_timeout_ms),
+        join_timeout=timedelta(milliseconds=join_timeout_ms),
+        quorum_tick=timedelta(milliseconds=quorum_tick_ms),
+        heartbeat_interval=timedelta(milliseconds=heartbeat_interval_ms),
+        manager_timeout=timedelta(seconds=manager_timeout_s),
+        quorum_timeout=timedelta(seconds=quorum_timeout_s),
+        connect_timeout=timedelta(seconds=connect_timeout_s),
+        pg_timeout=timedelta(seconds=pg_timeout_s),
+        rust_log=rust_log,
         min_replicas=min_replicas,
-        join_timeout_ms=join_timeout_ms,
-        quorum_tick_ms=quorum_tick_ms,
-        heartbeat_timeout_ms=heartbeat_timeout_ms,
+        events_dir=events_dir,
     )
-    ctx = mp.get_context("spawn")
-    procs: dict[str, Any] = {}
-    files: dict[str, Path] = {}
-
-    go_file = str(workdir / "go")
-
-    def spawn(label: str, index: int, go: str | None = None) -> None:
-        files[label] = workdir / f"{label}.jsonl"
-        cfg = {
-            "index": index,
-            "events": str(files[label]),
-            "stop_file": stop_file,
-            "steps": steps,
-            "numel": numel,
-            "lighthouse_addr": lighthouse.address(),
-            "min_replica_size": min_replicas,
-            "timeout_s": manager_timeout_s,
-            "quorum_timeout_s": quorum_timeout_s,
-            "connect_timeout_s": connect_timeout_s,
-            "pg_timeout_s": pg_timeout_s,
-            "heartbeat_interval_ms": heartbeat_interval_ms,
-            "step_sleep_s": step_sleep_s,
-            "deadline": deadline,
-            "go_file": go,
-            "rust_log": rust_log,
-        }
-        proc = ctx.Process(target=_replica_main, args=(cfg,), name=f"torchft-{label}", daemon=True)
-        proc.start()
-        procs[label] = proc
-
-    result: dict[str, Any] = {"settings": settings, "lighthouse_addr": lighthouse.address()}
-    labels = [f"replica_{i}" for i in range(n)]
-    victim_label = labels[victim]
-    survivors = [lb for lb in labels if lb != victim_label]
-    replacement = f"{victim_label}_replacement" if restart else None
-    t_kill: float | None = None
-    t_spawn: float | None = None
-    try:
-        for i, label in enumerate(labels):
-            spawn(label, i)
-        if replacement is not None and prewarm:
-            spawn(replacement, victim, go=go_file)
-
-        # Phase 1: wait until the victim has committed kill_step steps (quorum size is recorded), then SIGKILL it.
-        while time.time() < deadline:
-            ev = read_replica_events(files[victim_label])
-            if any(e["kind"] == "fatal" for e in ev):
-                raise RuntimeError(f"{victim_label} failed before the kill: {ev[-1]}")
-            armed = last_committed_step(ev) >= kill_step
-            if armed and kill_phase == "compute":
-                armed = ev[-1]["kind"] == "quorum_done"
-            if armed:
-                last_q = [e for e in ev if e["kind"] == "quorum_done"]
-                result["victim_last_quorum_participants"] = last_q[-1]["participants"] if last_q else None
-                result["victim_last_event_before_kill"] = ev[-1]["kind"]
-                os.kill(procs[victim_label].pid, signal.SIGKILL)
-                t_kill = time.time()
-                break
-            time.sleep(_POLL_S)
-        if t_kill is None:
-            raise TimeoutError(f"victim did not reach step {kill_step} before the deadline")
-        result["kill_at_step"] = last_committed_step(read_replica_events(files[victim_label]))
-        if replacement is not None:
-            t_spawn = time.time()
-            if prewarm:
-                Path(go_file).touch()
-            else:
-                spawn(replacement, victim)
-
-        # Phase 2: keep the survivors running until the replacement has committed (bounded by the deadline).
-        stop = steps
-        while time.time() < deadline:
-            surv_steps = [last_committed_step(read_replica_events(files[s])) for s in survivors]
-            rep_done = replacement is None or any(
-                e["kind"] == "commit" and e["committed"] for e in read_replica_events(files[replacement])
-            )
-            if not rep_done and max(surv_steps) >= stop - _STOP_MARGIN_STEPS:
-                stop = max(surv_steps) + 2 * _STOP_MARGIN_STEPS
-                _write_stop_step(stop_file, stop)
-            alive = [lb for lb, p in procs.items() if lb != victim_label and p.is_alive()]
-            if not alive:
-                break
-            time.sleep(_POLL_S)
-        result["final_stop_step"] = stop
-        for proc in procs.values():
-            proc.join(timeout=max(0.0, min(5.0, deadline - time.time())))
-    except (RuntimeError, TimeoutError) as exc:
-        logger.error("torchft recovery benchmark aborted: %s", exc)
-        result["error"] = repr(exc)
-    finally:
-        for label, proc in procs.items():
-            if proc.is_alive():
-                logger.warning("killing %s (pid %s) still alive at the end", label, proc.pid)
-                proc.kill()
-                proc.join(timeout=5.0)
-        with contextlib.suppress(Exception):
-            lighthouse.shutdown()
-        result["exitcodes"] = {label: proc.exitcode for label, proc in procs.items()}
-        result["wall_s"] = round(time.time() - t_start, 3)
-        if t_kill is not None:
-            result.update(
-                analyse(files, survivors, replacement, t_kill, t_spawn, n, result.get("kill_at_step", kill_step))
-            )
-        result["final_checksums"] = {
-            label: next((e["checksum"] for e in read_replica_events(path) if e["kind"] == "done"), None)
-            for label, path in files.items()
-        }
-        result["fatal_events"] = [
-            {"replica": label, **e}
-            for label, path in files.items()
-            for e in read_replica_events(path)
-            if e["kind"] == "fatal"
-        ]
-        if events_dir is not None:
-            Path(events_dir).mkdir(parents=True, exist_ok=True)
-            for path in files.values():
-                if path.exists():
-                    shutil.copy2(path, Path(events_dir) / path.name)
-            result["events_dir"] = events_dir
-        shutil.rmtree(workdir, ignore_errors=True)
-    return result
+    return run_torchft_recovery_from(config)
 
 
 def _dist_version(name: str) -> str | None:
