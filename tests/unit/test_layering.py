@@ -116,3 +116,25 @@ def test_the_checkout_the_children_import_is_this_one() -> None:
 
     assert Path(REPO_ROOT) == ROOT
     assert all((ROOT / package / "__init__.py").is_file() for package in FORBIDDEN)
+
+
+#: Where the names of the untyped dicts are defined: a JSON object, a torch param group.
+UNTYPED_DICT_NAMES = {"bindings/json_object.py", "optim/optimizers/capabilities.py"}
+
+
+def test_every_untyped_dict_says_what_it_is() -> None:
+    """No bare ``dict[str, Any]`` in a signature or annotation: a record, or a name for the boundary it crosses.
+
+    ``JsonObject`` (read or written as JSON), torch's ``StateDict`` (a state tree) or ``ParamGroup`` (a
+    ``torch.optim`` param group); anything that stays in one process is a typed record.
+    """
+    bare = []
+    for package in FORBIDDEN:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            rel = str(path.relative_to(ROOT))
+            if rel in UNTYPED_DICT_NAMES:
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), filename=rel)):
+                if isinstance(node, ast.Subscript) and ast.unparse(node).replace(" ", "") == "dict[str,Any]":
+                    bare.append(f"{rel}:{node.lineno}")
+    assert not bare, f"bare dict[str, Any] at {bare}"
