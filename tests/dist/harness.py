@@ -18,7 +18,7 @@ from typing import Any
 
 from bindings.spawn import LocalRunError, run_local
 
-__all__ = ["run_ranks", "RanksFailed", "PRELOAD"]
+__all__ = ["run_ranks", "RanksFailed", "PRELOAD", "case_on_rank", "build_outcome"]
 
 #: Imported once by the fork server the test processes start from (bindings.spawn), not by every process:
 #: the ranks of run_ranks, and the workers of every launcher the tests start (tests/conftest.py).
@@ -115,3 +115,18 @@ def run_ranks(
             )
         except LocalRunError as exc:
             raise RanksFailed(str(exc)) from None
+
+
+def case_on_rank(case: str, rank: int) -> str:
+    """The bad-input case ``rank`` builds: ``one-rank-CASE`` is ``CASE`` on rank 1 and no case (``""``) elsewhere."""
+    mine = case if rank == 1 or not case.startswith("one-rank-") else ""
+    return mine.removeprefix("one-rank-")
+
+
+def build_outcome(build: Callable[[], object]) -> str:
+    """Call ``build``: ``"built"``, or the ``TypeError`` / ``ValueError`` it raised as ``"Kind: message"``."""
+    try:
+        build()
+    except (TypeError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "built"
