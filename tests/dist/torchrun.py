@@ -16,11 +16,11 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 
-__all__ = ["ROOT", "run_torchrun", "run_torchrun_results"]
+__all__ = ["ROOT", "end_worker", "run_torchrun", "run_torchrun_results"]
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKERS = ROOT / "tests" / "dist" / "workers"
@@ -64,3 +64,17 @@ def run_torchrun_results(worker: str, out: Path, *args: str, timeout: float = 24
     proc = run_torchrun(worker, 2, "--out", str(out), *args, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-6000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def end_worker(out: Path, results: dict[str, Any]) -> NoReturn:
+    """End a worker (under torchrun): write this rank's ``results`` where :func:`run_torchrun_results` reads them.
+
+    Then leave the default group and exit 0 at once: interpreter teardown after gloo groups can abort
+    ("terminate called without an active exception"), with torch.distributed alone as well.
+    """
+    import sparsecomm.distributed as dist
+
+    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
