@@ -78,62 +78,57 @@ def _port(env: Mapping[str, str]) -> int:
     return _int(env, "MASTER_PORT", DEFAULT_MASTER_PORT)
 
 
-class TorchrunDetector:
+class _RankVarsDetector:
+    """A launcher that sets rank and world size in two variables of its own (local rank in a third).
+
+    The rendezvous address is ``MASTER_ADDR``, if set. Subclasses name the variables.
+    """
+
+    name: str
+    rank_var: str
+    size_var: str
+    local_var: str
+
+    def is_present(self, env: Mapping[str, str]) -> bool:
+        return self.rank_var in env and self.size_var in env
+
+    def _local_rank(self, env: Mapping[str, str]) -> int:
+        return _int(env, self.local_var, 0)
+
+    def read(self, env: Mapping[str, str]) -> LaunchInfo:
+        return LaunchInfo(
+            launcher=self.name,
+            rank=_int(env, self.rank_var),
+            world_size=_int(env, self.size_var),
+            local_rank=self._local_rank(env),
+            master_addr=env.get("MASTER_ADDR"),
+            master_port=_port(env),
+        )
+
+
+class TorchrunDetector(_RankVarsDetector):
     """torchrun / torch.distributed.run (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``)."""
 
     name = "torchrun"
-
-    def is_present(self, env: Mapping[str, str]) -> bool:
-        return "RANK" in env and "WORLD_SIZE" in env
-
-    def read(self, env: Mapping[str, str]) -> LaunchInfo:
-        return LaunchInfo(
-            launcher=self.name,
-            rank=_int(env, "RANK"),
-            world_size=_int(env, "WORLD_SIZE"),
-            local_rank=_int(env, "LOCAL_RANK", 0),
-            master_addr=env.get("MASTER_ADDR"),
-            master_port=_port(env),
-        )
+    rank_var, size_var, local_var = "RANK", "WORLD_SIZE", "LOCAL_RANK"
 
 
-class OpenMPIDetector:
+class OpenMPIDetector(_RankVarsDetector):
     """Open MPI's mpirun / prterun (``OMPI_COMM_WORLD_*``)."""
 
     name = "openmpi"
-
-    def is_present(self, env: Mapping[str, str]) -> bool:
-        return "OMPI_COMM_WORLD_RANK" in env and "OMPI_COMM_WORLD_SIZE" in env
-
-    def read(self, env: Mapping[str, str]) -> LaunchInfo:
-        return LaunchInfo(
-            launcher=self.name,
-            rank=_int(env, "OMPI_COMM_WORLD_RANK"),
-            world_size=_int(env, "OMPI_COMM_WORLD_SIZE"),
-            local_rank=_int(env, "OMPI_COMM_WORLD_LOCAL_RANK", 0),
-            master_addr=env.get("MASTER_ADDR"),
-            master_port=_port(env),
-        )
+    rank_var, size_var, local_var = "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"
 
 
-class MPICHDetector:
+class MPICHDetector(_RankVarsDetector):
     """MPICH / Intel MPI Hydra (``PMI_RANK``, ``PMI_SIZE``)."""
 
     name = "mpich"
+    rank_var, size_var, local_var = "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"
 
-    def is_present(self, env: Mapping[str, str]) -> bool:
-        return "PMI_RANK" in env and "PMI_SIZE" in env
-
-    def read(self, env: Mapping[str, str]) -> LaunchInfo:
+    def _local_rank(self, env: Mapping[str, str]) -> int:
         local = env.get("MPI_LOCALRANKID", env.get("PMI_LOCAL_RANK", "0"))
-        return LaunchInfo(
-            launcher=self.name,
-            rank=_int(env, "PMI_RANK"),
-            world_size=_int(env, "PMI_SIZE"),
-            local_rank=_int({"x": local}, "x"),
-            master_addr=env.get("MASTER_ADDR"),
-            master_port=_port(env),
-        )
+        return _int({"x": local}, "x")
 
 
 _BRACKET = re.compile(r"^([^\[,]+)\[([^\]]+)\]")

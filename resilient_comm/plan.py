@@ -26,7 +26,7 @@ from typing import Protocol
 
 from bindings.validate import check_choice, check_int
 from resilient_comm.errors import MembershipError
-from resilient_comm.view import MODES
+from resilient_comm.view import MODES, _Slots
 
 __all__ = ["EpochPlan", "QuorumRule", "majority", "plan_next_epoch", "PLAN_MODES"]
 
@@ -48,7 +48,7 @@ def majority(survivors: int, world_size: int) -> str | None:
 
 
 @dataclass(frozen=True, kw_only=True)
-class EpochPlan:
+class EpochPlan(_Slots):
     """The next epoch: who holds which slot and how it differs from the current one.
 
     Attributes:
@@ -66,18 +66,6 @@ class EpochPlan:
     promoted: Mapping[int, int]
     rank_map: Mapping[int, int]
     mode: str
-
-    @property
-    def world_size(self) -> int:
-        """Number of slots of the new epoch."""
-        return len(self.members)
-
-    def slot_of(self, member: int) -> int | None:
-        """The slot ``member`` holds in the new epoch, or ``None``."""
-        try:
-            return self.members.index(member)
-        except ValueError:
-            return None
 
 
 def _check_member(name: str, value: object) -> int:

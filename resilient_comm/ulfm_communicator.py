@@ -157,7 +157,7 @@ class UlfmCommunicator(BaseCommunicator):
         logger.info("ulfm member %d: %s in epoch 0 of %d", self._member, f"slot {self._slot}", actives)
 
     @classmethod
-    def from_world(
+    def connect(
         cls,
         *,
         spares: int = 0,
@@ -167,7 +167,10 @@ class UlfmCommunicator(BaseCommunicator):
         min_world_size: int = 1,
         check_collectives: bool = False,
     ) -> UlfmCommunicator:
-        """Collective over ``COMM_WORLD``: its last ``spares`` ranks become spares (see the class for the arguments).
+        """Join the job, collective over ``COMM_WORLD``: its last ``spares`` ranks become spares.
+
+        MPI's ``COMM_WORLD`` is the membership; there is no coordinator. See the
+        class for the arguments.
 
         Raises:
             RuntimeError: ULFM is unavailable (no mpi4py, not Open MPI, or not
@@ -186,26 +189,8 @@ class UlfmCommunicator(BaseCommunicator):
             check_collectives=check_collectives,
         )
 
-    @classmethod
-    def connect(
-        cls,
-        *,
-        spares: int = 0,
-        mode: str = "hotswap",
-        timeout: timedelta = timedelta(seconds=30),
-        reconfigure_timeout: timedelta = timedelta(seconds=60),
-        min_world_size: int = 1,
-        check_collectives: bool = False,
-    ) -> UlfmCommunicator:
-        """Join the job: :meth:`from_world` (MPI's ``COMM_WORLD`` is the membership; there is no coordinator)."""
-        return cls.from_world(
-            spares=spares,
-            mode=mode,
-            timeout=timeout,
-            reconfigure_timeout=reconfigure_timeout,
-            min_world_size=min_world_size,
-            check_collectives=check_collectives,
-        )
+    #: :meth:`connect` under the name that says what it is collective over.
+    from_world = connect
 
     # ------------------------------------------------------------------ properties
     @property

@@ -37,6 +37,24 @@ def _int(obj: JsonObject, key: str, what: str, lo: int = 0) -> int:
     return check_int(f"{what} field {key!r}", obj.get(key), low=lo)
 
 
+class _Slots:
+    """``world_size`` and ``slot_of`` of a membership that lists its ``members`` in slot order."""
+
+    members: tuple[int, ...]
+
+    @property
+    def world_size(self) -> int:
+        """Number of slots."""
+        return len(self.members)
+
+    def slot_of(self, member: int) -> int | None:
+        """The slot ``member`` holds, or ``None``."""
+        try:
+            return self.members.index(member)
+        except ValueError:
+            return None
+
+
 @dataclass(frozen=True, kw_only=True)
 class MemberInfo:
     """What a process tells the coordinator when it registers.
@@ -87,7 +105,7 @@ class MemberInfo:
 
 
 @dataclass(frozen=True, kw_only=True)
-class View:
+class View(_Slots):
     """One epoch's membership: who holds which slot (slot = rank in the epoch).
 
     Attributes:
@@ -109,18 +127,6 @@ class View:
     rank_map: dict[int, int] = field(default_factory=dict)
     committed_step: int = -1
     mode: str = "start"
-
-    @property
-    def world_size(self) -> int:
-        """Number of slots."""
-        return len(self.members)
-
-    def slot_of(self, member: int) -> int | None:
-        """The slot ``member`` holds in this view, or ``None``."""
-        try:
-            return self.members.index(member)
-        except ValueError:
-            return None
 
     def to_json(self) -> str:
         """Encode for the store."""

@@ -155,6 +155,31 @@ def _check_like(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) ->
         raise ValueError(f"{name}: device {t.device} does not match {ref_name} device {ref.device}")
 
 
+def _check_list_like(name: str, tensors: Any, ref_name: str, ref: Any, n: int) -> list[torch.Tensor]:
+    """Check ``ref`` is a tensor and ``tensors`` is a list of ``n`` tensors like it.
+
+    Args:
+        name: Argument name of the list, for messages.
+        tensors: The list (or tuple) of tensors.
+        ref_name: Argument name of the reference tensor, for messages.
+        ref: The tensor every item must match in dtype, numel and device.
+        n: Required length of the list (the group size).
+
+    Returns:
+        The tensors, as a list.
+
+    Raises:
+        TypeError: ``ref`` or an item is not a tensor, ``tensors`` is not a list, or a dtype differs.
+        ValueError: The length, an item's numel or its device differs.
+    """
+    if not isinstance(ref, torch.Tensor):
+        raise TypeError(f"{ref_name}: expected a torch.Tensor, got {type(ref).__name__}")
+    items = _check_list(name, tensors, n)
+    for i, t in enumerate(items):
+        _check_like(f"{name}[{i}]", t, ref_name, ref)
+    return items
+
+
 def _check_gathered_shape(big_name: str, big: torch.Tensor, small: torch.Tensor, n: int) -> None:
     """torch's rule: ``big`` is ``small`` concatenated (dim 0) or stacked n times, or flat."""
     s = tuple(small.shape)
@@ -254,11 +279,7 @@ def all_gather(
     g = _resolve(group)
     if g is None:
         return _not_member("all_gather")
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"tensor: expected a torch.Tensor, got {type(tensor).__name__}")
-    outs = _check_list("tensor_list", tensor_list, g.size())
-    for i, t in enumerate(outs):
-        _check_like(f"tensor_list[{i}]", t, "tensor", tensor)
+    outs = _check_list_like("tensor_list", tensor_list, "tensor", tensor, g.size())
     flat = torch.empty((g.size() * tensor.numel(),), dtype=tensor.dtype, device=tensor.device)
 
     def finish() -> None:
@@ -283,11 +304,7 @@ def reduce_scatter(
     g = _resolve(group)
     if g is None:
         return _not_member("reduce_scatter")
-    if not isinstance(output, torch.Tensor):
-        raise TypeError(f"output: expected a torch.Tensor, got {type(output).__name__}")
-    ins = _check_list("input_list", input_list, g.size())
-    for i, t in enumerate(ins):
-        _check_like(f"input_list[{i}]", t, "output", output)
+    ins = _check_list_like("input_list", input_list, "output", output, g.size())
     flat = torch.cat([t.reshape(-1) for t in ins]) if ins else output.new_empty((0,))
     return g.communicator.reduce_scatter(output, flat, op, async_op=async_op)
 

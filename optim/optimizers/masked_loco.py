@@ -91,9 +91,14 @@ class MaskedLoCoPlan:
         return math.ceil(self.k * self.index_bits / 8)
 
     @property
+    def message_bytes(self) -> int:
+        """Bytes of one rank's share of an outer step: its codes, both ways, and its part of the next mask."""
+        return 2 * self.quantizer.encoded_bytes(self.k) + self.index_bytes
+
+    @property
     def round_bytes(self) -> int:
         """Bytes one rank sends per outer step: the values' two passes in codes, then the next mask."""
-        return (self.world_size - 1) * (2 * self.quantizer.encoded_bytes(self.k) + self.index_bytes)
+        return (self.world_size - 1) * self.message_bytes
 
     def wire_bytes_per_step(self) -> float:
         """Bytes a rank sends per local step on average."""
@@ -107,7 +112,7 @@ def fixed_masked_plan(numel: int, world_size: int, *, period: int, fraction: flo
         ValueError: A bad argument.
     """
     numel = check_int("numel", numel, low=1)
-    ws = check_int("world_size", world_size, low=2)
+    ws = check_int("world_size", world_size, low=1)
     frac = check_float("fraction", fraction, low=0.0, high=1.0, low_open=True)
     shard = -(-numel // ws)
     return MaskedLoCoPlan(
@@ -127,7 +132,7 @@ def masked_loco_plan(
     Args:
         density: Wire bytes per step as a fraction of a dense fp32 all_reduce of the model.
         numel: Parameters of the model (N).
-        world_size: Ranks (P, >= 2).
+        world_size: Ranks (P).
         fraction: The share of every shard to aim ``k`` at (``k0``).
         bits: Code width of the values.
 
@@ -137,12 +142,12 @@ def masked_loco_plan(
     d = check_density(density)
     first = fixed_masked_plan(numel, world_size, period=1, fraction=fraction, bits=bits)
     ws, shard = first.world_size, first.shard
-    budget = d * 2 * (ws - 1) / ws * 4 * numel  # bytes per step at equal bytes
-    period = max(1, round(first.round_bytes / budget))
+    budget = 8.0 * d * numel / ws  # message bytes per local step at equal bytes ((P - 1) on both sides)
+    period = max(1, round(first.message_bytes / budget))
     lo, hi = 1, shard  # the largest k whose bytes fit period * budget (at least 1)
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if dataclasses.replace(first, k=mid).round_bytes <= period * budget:
+        if dataclasses.replace(first, k=mid).message_bytes <= period * budget:
             lo = mid
         else:
             hi = mid - 1
@@ -167,7 +172,7 @@ class MaskedLoCo(OuterLoop):
         decay: The accumulator's decay (in ``[0, 1)``; 0.95).
 
     Raises:
-        TypeError, ValueError: As :class:`optim.optimizers.outer.OuterLoop`; also a group of one rank.
+        TypeError, ValueError: As :class:`optim.optimizers.outer.OuterLoop`.
     """
 
     def __init__(
@@ -211,8 +216,6 @@ class MaskedLoCo(OuterLoop):
         self.outer_lr = check_float("outer_lr", outer_lr, low=0.0, low_open=True)
         self.decay = check_float("decay", decay, low=0.0, high=1.0, high_open=True)
         b = self._bucket
-        if b.world_size < 2:
-            raise ValueError("MaskedLoCo needs at least 2 ranks (each owns a shard of the mask)")
         if density is None:
             self.plan = fixed_masked_plan(b.numel, b.world_size, period=self._period, fraction=fraction, bits=bits)
             return

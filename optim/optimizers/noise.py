@@ -130,7 +130,27 @@ def effective_world_size(rho: float, world_size: int) -> float:
     return 1.0 / (1.0 - rho * (1.0 - 1.0 / world_size))
 
 
-class NoiseScale:
+class _SketchEma:
+    """The settings of a sign-sketch measurement and its EMA of two float64 values.
+
+    Args:
+        columns: Sketch size ``k``.
+        beta: EMA coefficient, in ``[0, 1)``.
+        seed: Seed of the sketch's signs.
+
+    Raises:
+        ValueError: Bad arguments.
+    """
+
+    def __init__(self, columns: int, beta: float, seed: int) -> None:
+        _check_columns(columns)
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"Invalid beta: {beta!r} (must be in [0, 1))")
+        self.columns, self.beta, self.seed = columns, beta, seed
+        self.ema = torch.zeros(2, dtype=torch.float64)
+
+
+class NoiseScale(_SketchEma):
     """The measured share ``rho`` of the estimated noise that is noise across ranks (module docstring).
 
     Args:
@@ -138,19 +158,15 @@ class NoiseScale:
         beta: EMA coefficient of the measured and the estimated noise.
         seed: Seed of the sketch's signs (combined with the step; the same on every rank).
 
+    Attributes:
+        ema: EMA of the measured and of the estimated noise (state: snapshots and state dicts hold it).
+
     Raises:
         ValueError: Bad arguments.
     """
 
     def __init__(self, *, columns: int = 64, beta: float = 0.9, seed: int = 0x5CA1E) -> None:
-        _check_columns(columns)
-        if not 0.0 <= beta < 1.0:
-            raise ValueError(f"Invalid beta: {beta!r} (must be in [0, 1))")
-        self.columns = columns
-        self.beta = beta
-        self.seed = seed
-        self.ema = torch.zeros(2, dtype=torch.float64)
-        """EMA of the measured and of the estimated noise (state: snapshots and state dicts hold it)."""
+        super().__init__(columns, beta, seed)
         self.last_measured: float | None = None
         self.last_estimated: float | None = None
 
@@ -196,7 +212,7 @@ class NoiseScale:
         self.ema.copy_(check_noise_state(state))
 
 
-class MeanNorm:
+class MeanNorm(_SketchEma):
     """The global norm of the ranks' average gradient at every step, without sending it: what dense clipping measures.
 
     For the ranks' gradients ``g_r`` and their average ``g``,
@@ -214,17 +230,15 @@ class MeanNorm:
         beta: EMA coefficient of the noise.
         seed: Seed of the sketch's signs (combined with the step; the same on every rank).
 
+    Attributes:
+        ema: The noise's EMA (not bias-corrected) and the number of steps in it (state: state dicts hold it).
+
     Raises:
         ValueError: Bad arguments.
     """
 
     def __init__(self, *, columns: int = 64, beta: float = 0.9, seed: int = 0xC1) -> None:
-        _check_columns(columns)
-        if not 0.0 <= beta < 1.0:
-            raise ValueError(f"Invalid beta: {beta!r} (must be in [0, 1))")
-        self.columns, self.beta, self.seed = columns, beta, seed
-        self.ema = torch.zeros(2, dtype=torch.float64)
-        """The noise's EMA (not bias-corrected) and the number of steps in it (state: state dicts hold it)."""
+        super().__init__(columns, beta, seed)
 
     def measure(self, comm: Any, g: Tensor, step: int) -> float:
         """Fold one step's gradient in; return the norm of the ranks' average gradient.

@@ -47,7 +47,24 @@ __all__ = ["ShardedAdamS", "ShardedAdamW"]
 logger = logging.getLogger(__name__)
 
 
-class _ShardedOptimizer(Optimizer):
+class _OverBucket:
+    """The :attr:`bucket` and :attr:`communicator` of an optimizer that keeps its parameters in a flat bucket."""
+
+    _bucket: FlatBucket
+    _comm: Any
+
+    @property
+    def bucket(self) -> FlatBucket:
+        """The flat layout of the parameters."""
+        return self._bucket
+
+    @property
+    def communicator(self) -> Any:
+        """The communicator the optimizer synchronizes over."""
+        return self._comm
+
+
+class _ShardedOptimizer(_OverBucket, Optimizer):
     """Shared ZeRO-1 machinery; subclasses define the per-segment update.
 
     fp32 parameters become views of one flat buffer at construction (values
@@ -302,16 +319,6 @@ class _ShardedOptimizer(Optimizer):
     def shard_state(self) -> dict[str, Tensor]:
         """This rank's optimizer state tensors (same layout as :attr:`master_shard`)."""
         return self._shard
-
-    @property
-    def bucket(self) -> FlatBucket:
-        """The flat-buffer layout."""
-        return self._bucket
-
-    @property
-    def communicator(self) -> Any:
-        """The communicator the optimizer synchronizes over."""
-        return self._comm
 
     def _check_shard(self, what: str, sh: StateDict) -> None:
         """Raise ``ValueError`` unless ``sh`` (a sharded state) fits this rank's layout, before anything changes."""

@@ -28,7 +28,7 @@ from bindings.validate import check_float
 from optim.optimizers.buckets import FlatBucket
 from optim.optimizers.capabilities import OptimizerCapabilities, ParamGroup, StateLayout, capabilities
 from optim.optimizers.noise import MeanNorm
-from optim.optimizers.sharded import agree
+from optim.optimizers.sharded import _OverBucket, agree
 
 __all__ = ["WrappingOptimizer", "average_grads", "check_inner"]
 
@@ -112,7 +112,7 @@ class _Wrapped:
             setattr(inner, self.name, value)
 
 
-class WrappingOptimizer(Optimizer):
+class WrappingOptimizer(_OverBucket, Optimizer):
     """Wrap ``optimizer`` so that every rank steps its own replica of ``model`` (a base class).
 
     Subclasses check and resolve their own settings in :meth:`_check_settings`
@@ -208,15 +208,6 @@ class WrappingOptimizer(Optimizer):
     param_groups = _Wrapped("param_groups")  # type: ignore[assignment]
     state = _Wrapped("state")  # type: ignore[assignment]
     defaults = _Wrapped("defaults")  # type: ignore[assignment]
-
-    @property
-    def bucket(self) -> FlatBucket:
-        """The flat layout of the parameters."""
-        return self._bucket
-
-    @property
-    def communicator(self) -> Any:
-        return self._comm
 
     def add_param_group(self, param_group: ParamGroup) -> None:
         if hasattr(self, "optimizer"):

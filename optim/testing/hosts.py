@@ -419,6 +419,15 @@ class HostsJob:
         """Wait until process ``pid`` committed ``step``."""
         wait_for(lambda: max(self.committed(pid), default=-1) >= step, timeout, f"pid {pid} to commit {step}")
 
+    def committed_after(self, pid: int, t: float) -> list[int]:
+        """Steps process ``pid`` committed after the time ``t`` (``time.time()``), in order."""
+        return [r["step"] for r in self.log(pid) if r["event"] == "committed" and r["time"] > t]
+
+    def wait_training(self, pid: int, step: int = 5) -> None:
+        """Wait until epoch 0 formed and process ``pid`` committed ``step``."""
+        self.wait_event("epoch_configured", 60, epoch=0)
+        self.wait_progress(pid, step)
+
     def describe(self) -> str:
         """The coordinator's events and each process's last few records, for an error message."""
         recs = read_events(self.events_path, missing_ok=True)

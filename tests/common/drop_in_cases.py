@@ -15,7 +15,7 @@ failed check raises locally without leaving peers blocked.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -26,6 +26,13 @@ import sparsecomm.distributed as dist
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.int64)
 SHAPES: tuple[tuple[int, ...], ...] = ((0,), (1,), (7,), (3, 5), (2, 3, 4), (0, 3), ())
 OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX")
+
+
+def _reduction_cases() -> Iterator[tuple[int, torch.dtype, str, tuple[int, ...]]]:
+    """Every (dtype index, dtype, op, shape) a reduction is checked on, in order: AVG on floating dtypes only."""
+    for (i, dtype), op, shape in itertools.product(enumerate(DTYPES), OPS, SHAPES):
+        if op != "AVG" or dtype.is_floating_point:
+            yield i, dtype, op, shape
 
 
 def make_input(
@@ -87,9 +94,7 @@ def _maybe_wait(work: Any, async_op: bool) -> None:
 def case_all_reduce(rank: int, ws: int, seed: int = 0) -> int:
     """all_reduce over dtypes x ops x shapes x (contiguous, non-contiguous) x (sync, async)."""
     checks = 0
-    for (i, dtype), op, shape in itertools.product(enumerate(DTYPES), OPS, SHAPES):
-        if op == "AVG" and not dtype.is_floating_point:
-            continue
+    for i, dtype, op, shape in _reduction_cases():
         small = op == "PRODUCT"
         inputs = [make_input(seed + i, r, shape, dtype, small=small) for r in range(ws)]
         expected = reduce_ref(inputs, op)
@@ -180,8 +185,8 @@ def case_all_gather_single(rank: int, ws: int, seed: int = 4) -> int:
 
 def _scatter_tensor(fn: Callable[..., Any], rank: int, ws: int, seed: int) -> int:
     checks = 0
-    for (i, dtype), op, shape in itertools.product(enumerate(DTYPES), OPS, SHAPES):
-        if (op == "AVG" and not dtype.is_floating_point) or len(shape) == 0:
+    for i, dtype, op, shape in _reduction_cases():
+        if len(shape) == 0:
             continue
         small = op == "PRODUCT"
         full = (ws * shape[0], *shape[1:])
@@ -213,9 +218,7 @@ def case_reduce_scatter_single(rank: int, ws: int, seed: int = 6) -> int:
 def case_reduce_scatter(rank: int, ws: int, seed: int = 7) -> int:
     """reduce_scatter with a list of inputs."""
     checks = 0
-    for (i, dtype), op, shape in itertools.product(enumerate(DTYPES), OPS, SHAPES):
-        if op == "AVG" and not dtype.is_floating_point:
-            continue
+    for i, dtype, op, shape in _reduction_cases():
         small = op == "PRODUCT"
         lists = [[make_input(seed + i, r * 31 + j, shape, dtype, small=small) for j in range(ws)] for r in range(ws)]
         expected = reduce_ref([lists[r][rank] for r in range(ws)], op)

@@ -14,11 +14,14 @@ import os
 import tempfile
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bindings.spawn import LocalRunError, run_local
 
-__all__ = ["run_ranks", "RanksFailed", "PRELOAD"]
+if TYPE_CHECKING:
+    import pytest
+
+__all__ = ["run_ranks", "RanksFailed", "PRELOAD", "case_on_rank", "build_outcome", "clear_launcher_env"]
 
 #: Imported once by the fork server the test processes start from (bindings.spawn), not by every process:
 #: the ranks of run_ranks, and the workers of every launcher the tests start (tests/conftest.py).
@@ -115,3 +118,28 @@ def run_ranks(
             )
         except LocalRunError as exc:
             raise RanksFailed(str(exc)) from None
+
+
+def case_on_rank(case: str, rank: int) -> str:
+    """The bad-input case ``rank`` builds: ``one-rank-CASE`` is ``CASE`` on rank 1 and no case (``""``) elsewhere."""
+    mine = case if rank == 1 or not case.startswith("one-rank-") else ""
+    return mine.removeprefix("one-rank-")
+
+
+def build_outcome(build: Callable[[], object]) -> str:
+    """Call ``build``: ``"built"``, or the ``TypeError`` / ``ValueError`` it raised as ``"Kind: message"``."""
+    try:
+        build()
+    except (TypeError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "built"
+
+
+#: The variables by which a launcher (torchrun, mpirun, Slurm) tells a process its rank.
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
+
+
+def clear_launcher_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unset the launcher's rank variables: a job then spawns its own ranks, even when pytest runs under a launcher."""
+    for var in _LAUNCHER_VARS:
+        monkeypatch.delenv(var, raising=False)

@@ -10,6 +10,7 @@ import pytest
 from optim.apps.benchmarks.convergence import convergence_variants, largest_loss_rise
 from optim.apps.benchmarks.output import git_commit
 from optim.apps.cli.main import main
+from tests.dist.harness import clear_launcher_env
 
 pytestmark = pytest.mark.dist
 
@@ -18,8 +19,7 @@ pytestmark = pytest.mark.dist
 def test_convergence_cli_end_to_end(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    for var in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
-        monkeypatch.delenv(var, raising=False)
+    clear_launcher_env(monkeypatch)
     out = tmp_path / "conv"
     argv = [
         "bench", "convergence", "--steps", "10", "--nproc", "2", "--densities", "0.1,0.01",
@@ -91,8 +91,7 @@ def test_convergence_suite_cli_end_to_end(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Two digits settings (one constant LR, read at both horizons from one run; one cosine, run per horizon)."""
-    for var in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
-        monkeypatch.delenv(var, raising=False)
+    clear_launcher_env(monkeypatch)
     out = tmp_path / "suite"
     argv = [
         "bench", "convergence", "--suite", "--settings", "digits-mlp-const,digits-mlp-cosine",

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from optim.optimizers.outer import OuterLoop
-from tests.dist.harness import run_ranks
+from tests.dist.harness import build_outcome, case_on_rank, run_ranks
 from tests.dist.test_local import _loss, _model
 
 pytestmark = pytest.mark.dist
@@ -220,8 +220,7 @@ def bad(rank: int, ws: int, cls_name: str, case: str) -> str:
     cls = getattr(optim, cls_name)
     model = _model()
     inner: object = torch.optim.AdamW(model.parameters(), lr=0.01)
-    mine = case if rank == 1 or not case.startswith("one-rank-") else ""
-    mine = mine.removeprefix("one-rank-")
+    mine = case_on_rank(case, rank)
     kw = {"period": 3 + rank} if mine == "settings-differ" else BAD_SETTINGS.get(mine, {})
     if mine == "wrapper":
         inner = optim.DiLoCo(inner, model)  # type: ignore[arg-type]
@@ -233,11 +232,7 @@ def bad(rank: int, ws: int, cls_name: str, case: str) -> str:
         inner = torch.optim.AdamW([*model.parameters(), torch.nn.Parameter(torch.zeros(3))], lr=0.01)
     elif mine == "missing":
         inner = torch.optim.AdamW(list(model.parameters())[:2], lr=0.01)
-    try:
-        cls(inner, model, **kw)
-    except (TypeError, ValueError) as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "built"
+    return build_outcome(lambda: cls(inner, model, **kw))
 
 
 @pytest.mark.parametrize(

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 
 from optim.apps.benchmarks.suite import run_suite
+from tests.dist.harness import clear_launcher_env
 
 pytestmark = pytest.mark.dist
 
 
 @pytest.mark.timeout(240)
 def test_heldout_gru_setting_runs_on_two_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
-        monkeypatch.delenv(var, raising=False)
+    clear_launcher_env(monkeypatch)
     overrides = {"nproc": 2, "eval_interval": 5, "eval_batches": 2, "max_corpus_bytes": 200_000, "job_timeout_s": 120}
     suite = run_suite(
         ["torchdoc-gru-const"],

@@ -41,6 +41,13 @@ def _flat(model: torch.nn.Module) -> torch.Tensor:
     return torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
 
 
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, rank: int, t: int) -> None:
+    """One training step of ``opt`` on ``model`` with this rank's batch of step ``t``."""
+    opt.zero_grad()
+    _loss(model, rank, t).backward()
+    opt.step()
+
+
 def _make(kind: str, params: object, density: float) -> torch.optim.Optimizer:
     from optim import LocalAdamS, TopKAdamS
 
@@ -96,9 +103,7 @@ def _rank_run(rank: int, ws: int, kind: str, density: float) -> dict:
     flats, windows, sent, anchors, moments, moment_anchors = [], [], [], [], [], []
     for t in range(STEPS):
         before = stats.as_dict()
-        opt.zero_grad()
-        _loss(model, rank, t).backward()
-        opt.step()
+        _step(model, opt, rank, t)
         after = stats.as_dict()
         sent.append({op: after[op]["bytes_sent"] - before.get(op, {"bytes_sent": 0})["bytes_sent"] for op in after})
         flats.append(_flat(model).tolist())
@@ -328,18 +333,14 @@ def _rank_resume(rank: int, ws: int, kind: str, via: str) -> dict:
     a = _model()
     oa = _make(kind, a.parameters(), 0.25)
     for t in range(4):
-        oa.zero_grad()
-        _loss(a, rank, t).backward()
-        oa.step()
+        _step(a, oa, rank, t)
     saved = encode_tree(oa.snapshot_state()) if via == "snapshot" else oa.state_dict()
     import copy
 
     saved = copy.deepcopy(saved)
     cont = []
     for t in range(4, 8):
-        oa.zero_grad()
-        _loss(a, rank, t).backward()
-        oa.step()
+        _step(a, oa, rank, t)
         cont.append(_flat(a).tolist())
     if hasattr(oa, "close"):
         oa.close()  # one optimizer's averaging at a time on a communicator
@@ -352,9 +353,7 @@ def _rank_resume(rank: int, ws: int, kind: str, via: str) -> dict:
         ob.load_state_dict(saved)
     again = []
     for t in range(4, 8):
-        ob.zero_grad()
-        _loss(b, rank, t).backward()
-        ob.step()
+        _step(b, ob, rank, t)
         again.append(_flat(b).tolist())
     return {"cont": cont, "again": again}
 
@@ -376,9 +375,7 @@ def _rank_snapshot(rank: int, ws: int) -> bytes:
     model = _model()
     opt = _make("staggered-int4", model.parameters(), 0.25)
     for t in range(5):
-        opt.zero_grad()
-        _loss(model, rank, t).backward()
-        opt.step()
+        _step(model, opt, rank, t)
     import io
 
     buf = io.BytesIO()
@@ -623,9 +620,7 @@ def _rank_overlap_eval(rank: int, ws: int, evaluate: bool) -> list[list[float]]:
     opt = _make("overlap", model.parameters(), 0.1)
     flats = []
     for t in range(STEPS):
-        opt.zero_grad()
-        _loss(model, rank, t).backward()
-        opt.step()
+        _step(model, opt, rank, t)
         if evaluate:
             with opt.averaged():
                 pass
@@ -816,9 +811,7 @@ def _rank_single(rank: int, ws: int) -> list[float]:
     model = _model()
     opt = LocalAdamS(model.parameters(), lr=0.05, weight_decay=0.1, density=0.5, warmup_steps=2)
     for t in range(6):
-        opt.zero_grad()
-        _loss(model, rank, t).backward()
-        opt.step()
+        _step(model, opt, rank, t)
     return _flat(model).tolist()
 
 
@@ -829,7 +822,5 @@ def test_one_rank_is_plain_adams() -> None:
     model = _model()
     opt = AdamS(model.parameters(), lr=0.05, weight_decay=0.1, foreach=False)
     for t in range(6):
-        opt.zero_grad()
-        _loss(model, 0, t).backward()
-        opt.step()
+        _step(model, opt, 0, t)
     assert torch.allclose(got, _flat(model), rtol=1e-5, atol=1e-6)

@@ -19,7 +19,7 @@ import io
 import pytest
 import torch
 
-from tests.dist.harness import run_ranks
+from tests.dist.harness import build_outcome, case_on_rank, run_ranks
 from tests.dist.test_local import STEPS, WARM, _loss, _model
 
 pytestmark = pytest.mark.dist
@@ -246,8 +246,7 @@ def _bad(rank: int, ws: int, case: str) -> str:
     model = _model()
     inner: object = torch.optim.AdamW(model.parameters(), lr=0.01)
     kw: dict = {}
-    mine = case if rank == 1 or not case.startswith("one-rank-") else ""
-    mine = mine.removeprefix("one-rank-")
+    mine = case_on_rank(case, rank)
     if mine == "sharded":
         inner = ShardedAdamW(model.parameters(), lr=0.01)
     elif mine == "local-adams":
@@ -285,11 +284,7 @@ def _bad(rank: int, ws: int, case: str) -> str:
         kw = {"average_moment": "yes"}
     elif mine == "moment-values":
         kw = {"average_moment": True, "wire_bits": None}
-    try:
-        LocalOptimizer(inner, model, **kw)  # type: ignore[arg-type]
-    except (TypeError, ValueError) as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "built"
+    return build_outcome(lambda: LocalOptimizer(inner, model, **kw))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

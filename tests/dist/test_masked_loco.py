@@ -162,21 +162,6 @@ def test_bad_input_raises_on_every_rank(case: str, kind: str, words: str) -> Non
         assert r.startswith(kind) and words in r, r
 
 
-def _alone(rank: int, ws: int) -> str:
-    from optim import MaskedLoCo
-
-    model = _model()
-    try:
-        MaskedLoCo(torch.optim.AdamW(model.parameters(), lr=LR), model)
-    except ValueError as exc:
-        return str(exc)
-    return "built"
-
-
-def test_one_rank_is_refused() -> None:
-    assert "at least 2 ranks" in run_ranks(_alone, 1, timeout=60)[0]
-
-
 @pytest.mark.parametrize(("density", "ws"), [(0.1, 4), (0.01, 4), (0.01, 2), (0.001, 4), (0.1, 2)])
 def test_the_density_plan_sends_density_times_the_dense_bytes(density: float, ws: int) -> None:
     from optim.optimizers.masked_loco import masked_loco_plan

@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from tests.dist.torchrun import run_torchrun
+from tests.dist.torchrun import run_torchrun_results
 
 pytestmark = pytest.mark.dist
 
 
 def test_drop_in_scape_and_hook_under_torchrun(tmp_path: Path) -> None:
-    proc = run_torchrun("torchrun_paths", 2, "--out", str(tmp_path), timeout=180)
-    assert proc.returncode == 0, proc.stdout[-6000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = run_torchrun_results("torchrun_paths", tmp_path, timeout=180)
     for res in ranks:
         assert res["world_size"] == 2 and res["all_reduce"] == [3.0] * 4
         for path in ("scape", "ddp-sparse-hook", "fsdp2"):

@@ -17,6 +17,7 @@ from optim.apps.cli.report import build_report, write_report
 from optim.apps.cli.options import model_settings
 from optim.apps.train_job.job_config import TrainConfig, lr_at
 from optim.apps.train_job.train import OnStep, launch_local, run_training
+from tests.dist.harness import clear_launcher_env
 
 pytestmark = pytest.mark.dist
 
@@ -40,8 +41,7 @@ TINY = {
 
 @pytest.mark.timeout(150)
 def test_train_job_end_to_end_allreduce_adamw(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
-        monkeypatch.delenv(var, raising=False)  # spawn, even when pytest runs under a launcher
+    clear_launcher_env(monkeypatch)
     config = TrainConfig(**TINY, optimizer="allreduce-adamw", out=str(tmp_path / "run"))
     result = run_training(config)
     assert result is not None and result.launcher == "local"
@@ -116,8 +116,7 @@ def test_train_job_sharded_optimizers(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    for var in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
-        monkeypatch.delenv(var, raising=False)
+    clear_launcher_env(monkeypatch)
     config = TrainConfig(**TINY, optimizer=optimizer, **extra, out=str(tmp_path / optimizer))
     result = run_training(config)
     assert result is not None
@@ -167,8 +166,7 @@ def test_train_job_under_ddp_with_a_comm_hook(
     optimizer: str, extra: dict[str, Any], hook_ops: set[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """torch DDP + AdamW with PowerSGD's or our sparse hook: dense steps first, then far fewer bytes, and it learns."""
-    for var in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
-        monkeypatch.delenv(var, raising=False)
+    clear_launcher_env(monkeypatch)
     config = TrainConfig(**TINY, optimizer=optimizer, sparse_warmup_steps=5, **extra, out=str(tmp_path / optimizer))
     result = run_training(config)
     assert result is not None

@@ -10,15 +10,17 @@ everything the ranks printed.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, NoReturn
 
 import pytest
 
-__all__ = ["ROOT", "run_torchrun"]
+__all__ = ["ROOT", "end_worker", "run_torchrun", "run_torchrun_results"]
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKERS = ROOT / "tests" / "dist" / "workers"
@@ -52,3 +54,27 @@ def run_torchrun(worker: str, nproc: int, *args: str, timeout: float = 240.0) ->
         out, _ = proc.communicate()
         pytest.fail(f"torchrun {worker} did not finish in {timeout:.0f} s; output:\n{out[-6000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+def run_torchrun_results(worker: str, out: Path, *args: str, timeout: float = 240.0) -> list[dict[str, Any]]:
+    """Run ``worker`` on 2 local ranks with ``--out out`` and ``args``; each rank's ``<out>/rank<r>.json``, by rank.
+
+    The test fails on timeout or when torchrun exits non-zero (with the end of what the ranks printed).
+    """
+    proc = run_torchrun(worker, 2, "--out", str(out), *args, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def end_worker(out: Path, results: dict[str, Any]) -> NoReturn:
+    """End a worker (under torchrun): write this rank's ``results`` where :func:`run_torchrun_results` reads them.
+
+    Then leave the default group and exit 0 at once: interpreter teardown after gloo groups can abort
+    ("terminate called without an active exception"), with torch.distributed alone as well.
+    """
+    import sparsecomm.distributed as dist
+
+    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)

@@ -21,7 +21,7 @@ import pytest
 
 from bindings.spawn import find_mpirun, mpirun_python
 
-__all__ = ["ROOT", "run_mpi"]
+__all__ = ["ROOT", "run_mpi", "run_mpi_ok"]
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKERS = ROOT / "tests" / "mpi" / "workers"
@@ -126,3 +126,17 @@ def run_mpi(
             pytrace=False,
         )
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def run_mpi_ok(worker: str, nprocs: int, *args: str, timeout: float = 120) -> str:
+    """:func:`run_mpi`, failing the test unless mpirun exits 0; its stdout.
+
+    Args:
+        worker: Script name without ``.py``.
+        nprocs: Number of ranks.
+        *args: Arguments for the script.
+        timeout: Wall-clock limit of the whole job in seconds.
+    """
+    proc = run_mpi(worker, nprocs, *args, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout

@@ -4,20 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from tests.mpi._launch import run_mpi
+from tests.mpi._launch import run_mpi_ok
 
 pytestmark = pytest.mark.mpi
 
 
 @pytest.mark.parametrize("nprocs", [1, 2, 3, 4])
 def test_every_drop_in_function_on_mpi(nprocs: int) -> None:
-    proc = run_mpi("drop_in", nprocs, timeout=240)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f"OK {nprocs}" in proc.stdout
+    assert f"OK {nprocs}" in run_mpi_ok("drop_in", nprocs, timeout=240)
 
 
 @pytest.mark.parametrize("nprocs", [2, 4])
 def test_rank_mismatch_is_detected_on_mpi(nprocs: int) -> None:
-    proc = run_mpi("drop_in", nprocs, "--check-collectives", timeout=120)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "mismatch_detected" in proc.stdout
+    assert "mismatch_detected" in run_mpi_ok("drop_in", nprocs, "--check-collectives", timeout=120)

@@ -40,8 +40,7 @@ def test_a_killed_coordinator_ends_every_worker_within_the_heartbeat_timeout(tmp
     hb = 2.0
     with Loopback() as hosts:
         job = HostsJob(hosts, tmp_path, workers=3, steps=2000, hb=hb, port=_free_port())
-        job.wait_event("epoch_configured", 60, epoch=0)
-        job.wait_progress(job.workers[0].pid, 5)
+        job.wait_training(job.workers[0].pid)
         t_kill = time.time()
         job.coordinator.send_signal(signal.SIGKILL)
         codes = [w.wait(timeout=30) for w in job.workers]
@@ -56,8 +55,7 @@ def test_a_hung_coordinator_ends_every_worker_by_the_deadline(tmp_path: Path) ->
     timeout = 6.0
     with Loopback() as hosts:
         job = HostsJob(hosts, tmp_path, workers=2, steps=2000, hb=1.0, port=_free_port(), timeout=timeout)
-        job.wait_event("epoch_configured", 60, epoch=0)
-        job.wait_progress(job.workers[0].pid, 5)
+        job.wait_training(job.workers[0].pid)
         t_stop = time.time()
         job.coordinator.send_signal(signal.SIGSTOP)
         try:

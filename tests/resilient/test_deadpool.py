@@ -26,6 +26,7 @@ import random
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -146,14 +147,31 @@ def _assert_transparent(
         assert rec["steps_recomputed"] <= max_recomputed, rec
 
 
+def _killed_run(
+    config: TrainConfig,
+    reference: Callable[[TrainConfig], dict[str, Any]],
+    tmp_path: Path,
+    *,
+    spares: int,
+    kills: tuple[tuple[int, int], ...],
+    name: str,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Run ``config`` with ``spares`` spares and ``kills``; assert it matches the reference bit for bit; both runs.
+
+    Reported as ``name``; one failure per kill.
+    """
+    ref = reference(config)
+    run = run_resilient_training(config, _res(spares=spares, kills=kills), tmp_path)
+    _report(name, run)
+    _assert_transparent(run, ref, STEPS, failures=len(kills))
+    return run, ref
+
+
 # ------------------------------------------------------------------------------- trainer-injected kills
 @pytest.mark.timeout(240)
 def test_hotswap_mid_run_is_bitwise_transparent(tmp_path: Path, reference) -> None:
     config = _config("scape")
-    ref = reference(config)
-    run = run_resilient_training(config, _res(spares=1, kills=((2, 12),)), tmp_path)
-    _report("scape kill 2@12", run)
-    _assert_transparent(run, ref, STEPS, failures=1)
+    run, _ = _killed_run(config, reference, tmp_path, spares=1, kills=((2, 12),), name="scape kill 2@12")
     assert [k["slot"] for k in run["kills"]] == [2]
     assert {rec["restore_step"] for rec in _recoveries(run)} <= {10, 11}
     promoted = [e for e in run["events"] if e["event"] == "spare_promoted"]
@@ -164,10 +182,7 @@ def test_hotswap_mid_run_is_bitwise_transparent(tmp_path: Path, reference) -> No
 @pytest.mark.parametrize("optimizer", ["adams", "adamw", "local-adams", "local-adamw", "topk-adams"])
 def test_hotswap_dense_baselines_are_bitwise_transparent(tmp_path: Path, reference, optimizer: str) -> None:
     config = _config(optimizer)
-    ref = reference(config)
-    run = run_resilient_training(config, _res(spares=1, kills=((1, 9),)), tmp_path)
-    _report(f"{optimizer} kill 1@9", run)
-    _assert_transparent(run, ref, STEPS, failures=1)
+    _killed_run(config, reference, tmp_path, spares=1, kills=((1, 9),), name=f"{optimizer} kill 1@9")
 
 
 @pytest.mark.timeout(240)
@@ -175,10 +190,7 @@ def test_hotswap_dense_baselines_are_bitwise_transparent(tmp_path: Path, referen
 def test_hotswap_local_averaging_with_overlap_is_bitwise_transparent(tmp_path: Path, reference, optimizer: str) -> None:
     """The averaging in flight when a worker dies is sent again from the restored replicas, bit for bit."""
     config = _config(optimizer, density=0.1, local_overlap=True)
-    ref = reference(config)
-    run = run_resilient_training(config, _res(spares=1, kills=((1, 9),)), tmp_path)
-    _report(f"{optimizer} overlap kill 1@9", run)
-    _assert_transparent(run, ref, STEPS, failures=1)
+    _killed_run(config, reference, tmp_path, spares=1, kills=((1, 9),), name=f"{optimizer} overlap kill 1@9")
 
 
 @pytest.mark.timeout(240)
@@ -205,23 +217,17 @@ def test_local_shrink_goes_on_from_each_survivors_replica(tmp_path: Path, optimi
 @pytest.mark.timeout(300)
 def test_kills_at_random_steps(tmp_path: Path, reference) -> None:
     config = _config("scape")
-    ref = reference(config)
     rng = random.Random(20261129)
     steps = sorted(rng.sample(range(2, STEPS + 1), 3))
     kills = tuple((rng.randrange(config.nproc), s) for s in steps)
-    run = run_resilient_training(config, _res(spares=3, kills=kills), tmp_path)
-    _report(f"scape kills {kills}", run)
-    _assert_transparent(run, ref, STEPS, failures=3)
+    _killed_run(config, reference, tmp_path, spares=3, kills=kills, name=f"scape kills {kills}")
 
 
 @pytest.mark.timeout(240)
 def test_kill_at_step_one(tmp_path: Path, reference) -> None:
     """Right after the start: the first snapshot (step 0) may still be replicating."""
     config = _config("scape")
-    ref = reference(config)
-    run = run_resilient_training(config, _res(spares=1, kills=((1, 1),)), tmp_path)
-    _report("scape kill 1@1", run)
-    _assert_transparent(run, ref, STEPS, failures=1)
+    run, _ = _killed_run(config, reference, tmp_path, spares=1, kills=((1, 1),), name="scape kill 1@1")
     # the worker dies inside step 1, before it commits: every slot restores step 0
     restored = {rec["restore_step"] for rec in _recoveries(run)}
     assert restored == {0}, restored
@@ -230,10 +236,7 @@ def test_kill_at_step_one(tmp_path: Path, reference) -> None:
 @pytest.mark.timeout(240)
 def test_kill_at_last_step(tmp_path: Path, reference) -> None:
     config = _config("scape")
-    ref = reference(config)
-    run = run_resilient_training(config, _res(spares=1, kills=((3, STEPS),)), tmp_path)
-    _report(f"scape kill 3@{STEPS}", run)
-    _assert_transparent(run, ref, STEPS, failures=1)
+    run, ref = _killed_run(config, reference, tmp_path, spares=1, kills=((3, STEPS),), name=f"scape kill 3@{STEPS}")
     assert run["evals"][STEPS] == ref["evals"][STEPS]
 
 
@@ -241,10 +244,7 @@ def test_kill_at_last_step(tmp_path: Path, reference) -> None:
 def test_second_failure_right_after_the_first(tmp_path: Path, reference) -> None:
     """Consecutive steps: the second kill lands as soon as the first epoch was replaced."""
     config = _config("scape")
-    ref = reference(config)
-    run = run_resilient_training(config, _res(spares=2, kills=((1, 10), (2, 11))), tmp_path)
-    _report("scape kills 1@10, 2@11", run)
-    _assert_transparent(run, ref, STEPS, failures=2)
+    _killed_run(config, reference, tmp_path, spares=2, kills=((1, 10), (2, 11)), name="scape kills 1@10, 2@11")
 
 
 @pytest.mark.timeout(600)

@@ -64,9 +64,8 @@ def test_worker_host_cut_off_mid_run_majority_goes_on(tmp_path: Path) -> None:
     with Hosts(4) as hosts:
         job = HostsJob(hosts, tmp_path, workers=3, steps=80, hb=hb)
         try:
-            job.wait_event("epoch_configured", 60, epoch=0)
             cut_pid, survivors = job.workers[2].pid, [w.pid for w in job.workers[:2]]
-            job.wait_progress(cut_pid, 5)
+            job.wait_training(cut_pid)
             t_cut = time.time()
             hosts.cut(3)  # the third worker's host: alive, silent
             t_dark = time.time()  # the link is down (the cut is an `ip` command: on a busy machine, a while)
@@ -98,7 +97,7 @@ def test_worker_host_cut_off_mid_run_majority_goes_on(tmp_path: Path) -> None:
         # the cut-off side committed nothing the majority did not also commit, and nothing after the cut
         lost = job.committed(cut_pid)
         assert set(lost) <= set(job.committed(survivors[0])), lost
-        late = [r["step"] for r in job.log(cut_pid) if r["event"] == "committed" and r["time"] > t_dark]
+        late = job.committed_after(cut_pid, t_dark)
         assert late in ([], [max(lost) if lost else 0]), late  # at most the step in flight at the cut
         # back on the network it finds itself replaced, waits as a spare, and leaves with the job
         assert code == 0, (code, job.log(cut_pid)[-3:])
@@ -114,9 +113,8 @@ def test_partition_without_a_majority_fails_the_job_and_nobody_commits(tmp_path:
     with Hosts(4) as hosts:
         job = HostsJob(hosts, tmp_path, workers=3, steps=400, hb=hb, grace=grace)
         try:
-            job.wait_event("epoch_configured", 60, epoch=0)
             pids = [w.pid for w in job.workers]
-            job.wait_progress(pids[0], 5)
+            job.wait_training(pids[0])
             t_cut = time.time()
             hosts.cut(2)
             hosts.cut(3)
@@ -131,7 +129,7 @@ def test_partition_without_a_majority_fails_the_job_and_nobody_commits(tmp_path:
         assert hb + grace - 0.1 <= failed["time"] - t_cut <= 2 * hb + grace + 5  # silence: from the last beat seen
         assert all(c != 0 for c in codes), codes
         for p in pids:  # after the cut nobody commits, but the step every member had already voted for
-            late = [r["step"] for r in job.log(p) if r["event"] == "committed" and r["time"] > t_dark]
+            late = job.committed_after(p, t_dark)
             before = [r["step"] for r in job.log(p) if r["event"] == "committed" and r["time"] <= t_dark]
             assert late in ([], [max(before) + 1]), (p, late)
 
@@ -145,9 +143,8 @@ def test_coordinator_host_cut_off_from_every_worker_ends_the_job_by_its_deadline
     with Hosts(4) as hosts:
         job = HostsJob(hosts, tmp_path, workers=3, steps=2000, hb=hb, grace=grace, timeout=timeout)
         try:
-            job.wait_event("epoch_configured", 60, epoch=0)
             pids = [w.pid for w in job.workers]
-            job.wait_progress(pids[0], 5)
+            job.wait_training(pids[0])
             t_cut = time.time()
             hosts.cut(0)
             t_dark = time.time()
@@ -162,7 +159,7 @@ def test_coordinator_host_cut_off_from_every_worker_ends_the_job_by_its_deadline
             errors = [r for r in job.log(p) if r["event"] == "error"]
             assert code == 3 and errors and "lost the coordinator" in errors[-1]["reason"], (code, job.log(p)[-3:])
             assert errors[-1]["time"] - t_cut <= timeout + 3.0, errors[-1]["time"] - t_cut
-            late = [r["step"] for r in job.log(p) if r["event"] == "committed" and r["time"] > t_dark]
+            late = job.committed_after(p, t_dark)
             assert len(late) <= 1, (p, late)  # at most the step every member had already voted for
 
 
@@ -205,9 +202,8 @@ def test_a_worker_cut_off_comes_back_as_a_spare_and_is_promoted_at_the_next_fail
     with Hosts(5) as hosts:
         job = HostsJob(hosts, tmp_path, workers=3, spares=1, steps=400, sleep=0.05, hb=hb, mode="hotswap")
         try:
-            job.wait_event("epoch_configured", 60, epoch=0)
             cut, spare = job.workers[2], job.spares[0]
-            job.wait_progress(cut.pid, 5)
+            job.wait_training(cut.pid)
             hosts.cut(3)
             job.wait_event("failure_detected", 15, pid=cut.pid)
             job.wait_event("epoch_configured", 30, epoch=1)  # the spare in the cut worker's slot
@@ -235,8 +231,7 @@ def test_a_worker_cut_off_comes_back_as_a_spare_and_is_promoted_at_the_next_fail
 def _job_with_a_spare(hosts: Hosts, tmp: Path, steps: int) -> tuple[HostsJob, HostProcess]:
     """3 workers and a spare at a 1 s heartbeat timeout, training; and the worker on host 2 (5 steps done)."""
     job = HostsJob(hosts, tmp, workers=3, spares=1, steps=steps, sleep=0.05, hb=1.0, mode="hotswap")
-    job.wait_event("epoch_configured", 60, epoch=0)
-    job.wait_progress(job.workers[1].pid, 5)
+    job.wait_training(job.workers[1].pid)
     return job, job.workers[1]
 
 

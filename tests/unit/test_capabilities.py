@@ -43,6 +43,7 @@ EXPECTED: dict[str, tuple[Build, OptimizerCapabilities]] = {
     "ShardedAdamS": (lambda m: optim.ShardedAdamS(m.parameters()), SHARDED),
     "ShardedAdamW": (lambda m: optim.ShardedAdamW(m.parameters()), SHARDED),
     "SparseLoCo": (lambda m: optim.SparseLoCo(torch.optim.AdamW(m.parameters()), m, density=0.1), WRAPPED),
+    "MaskedLoCo": (lambda m: optim.MaskedLoCo(torch.optim.AdamW(m.parameters()), m, density=0.1), WRAPPED),
     "TopKAdamS": (lambda m: optim.TopKAdamS(m.parameters()), REPLICA),
     "torch.optim.AdamW": (lambda m: torch.optim.AdamW(m.parameters()), PLAIN),
     "torch.optim.SGD": (lambda m: torch.optim.SGD(m.parameters(), lr=0.1), PLAIN),

@@ -24,7 +24,6 @@ import contextlib
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -37,6 +36,7 @@ from bindings.stats import CommStats, ring_bytes
 from optim.apps.train_job.data import load_corpus, sample_batch
 from optim.apps.train_job.ddp import close_hook, count_torch_collectives, register_hook
 from optim.apps.train_job.model import GPT, GPTConfig
+from optim.apps.train_job.train import joined_group
 from sparsecomm.hooks import SparseHookState
 
 __all__ = ["HookBenchConfig", "hook_variants", "run_hook_bench"]
@@ -171,9 +171,7 @@ def _run_variant(config: HookBenchConfig, rank: int, ws: int, name: str, corpus:
 
 
 def _rank_main(rank: int, ws: int, config: HookBenchConfig) -> list[JsonObject]:
-    torch.set_num_threads(config.threads)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=config.comm_timeout_s))
-    try:
+    with joined_group("gloo", config.threads, config.comm_timeout_s):
         corpus = load_corpus(max_bytes=config.max_corpus_bytes)
         rows = [_run_variant(config, rank, ws, name, corpus) for name in hook_variants(config)]
         # losses: the mean over ranks; step times: the slowest rank
@@ -185,8 +183,6 @@ def _rank_main(rank: int, ws: int, config: HookBenchConfig) -> list[JsonObject]:
         for r, m, w in zip(rows, mean.tolist(), worst.tolist(), strict=True):
             r["train_loss"], r["val_loss"], r["step_s_median"] = m[0], m[1], w[2]
         return rows
-    finally:
-        dist.destroy_process_group()
 
 
 def run_hook_bench(config: HookBenchConfig) -> JsonObject:

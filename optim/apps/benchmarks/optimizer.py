@@ -47,7 +47,6 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -59,6 +58,7 @@ from bindings.stats import op_delta
 from optim.apps.train_job.data import VOCAB_SIZE
 from optim.apps.train_job.job_config import TrainConfig, build_optimizer
 from optim.apps.train_job.model import GPT, GPTConfig
+from optim.apps.train_job.train import joined_group
 
 __all__ = [
     "OptimizerBenchConfig",
@@ -380,12 +380,8 @@ def summarize_ranks(config: OptimizerBenchConfig, per_rank: list[JsonObject]) ->
 
 
 def _rank_main(rank: int, world_size: int, config: OptimizerBenchConfig) -> JsonObject:
-    torch.set_num_threads(config.threads)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=config.comm_timeout_s))
-    try:
+    with joined_group("gloo", config.threads, config.comm_timeout_s):
         return optimizer_bench_worker(rank, world_size, config)
-    finally:
-        dist.destroy_process_group()
 
 
 def run_optimizer_bench(config: OptimizerBenchConfig) -> JsonObject:

@@ -15,7 +15,7 @@ from bindings.json_object import JsonObject
 from bindings.spawn import LocalRunError
 from optim.apps.benchmarks.collective_ops import OPS, CollectivesBenchConfig, run_collectives_bench
 from optim.apps.benchmarks.optimizer import OptimizerBenchConfig, run_optimizer_bench
-from optim.apps.benchmarks.output import bench_env, write_bench_json
+from optim.apps.benchmarks.output import bench_env
 from optim.apps.benchmarks.sparse_ops import bench_pack
 from optim.apps.cli.bench_checkpoint import add_checkpoint_parser
 from optim.apps.cli.bench_convergence import (
@@ -28,7 +28,7 @@ from optim.apps.cli.bench_hooks import add_hooks_parser
 from optim.apps.cli.bench_link import add_link_parser
 from optim.apps.cli.bench_recovery import add_recovery_parser
 from optim.apps.cli.bench_wallclock import add_wallclock_parser
-from optim.apps.cli.options import densities_arg
+from optim.apps.cli.options import add_gpt_bench_options, densities_arg, run_bench, with_total
 from optim.apps.cli.render import add_render_parser
 
 __all__ = [
@@ -241,16 +241,14 @@ def _cmd_optimizer(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         args.cmd_parser.error(str(exc))
-    try:
-        bench = run_optimizer_bench(config)
-    except (LocalRunError, RuntimeError) as exc:
-        print(f"sparsecomm bench optimizer: error: {exc}", file=sys.stderr)
-        return 1
-    print(format_optimizer_table(bench))
-    print(f"total {bench['wall_time_s']:.0f} s")
-    if args.json:
-        print(f"wrote {write_bench_json(args.json, bench)}")
-    return 0
+    bench = run_bench(
+        "optimizer",
+        lambda: run_optimizer_bench(config),
+        with_total(format_optimizer_table),
+        args.json,
+        (LocalRunError, RuntimeError),
+    )
+    return 0 if bench is not None else 1
 
 
 def _add_optimizer_parser(inner: Any) -> None:
@@ -262,12 +260,7 @@ def _add_optimizer_parser(inner: Any) -> None:
         "ShardedAdamS, SCAPE and LocalAdamS at each density on local gloo ranks, in one run; prints a table.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--nproc", type=int, default=d.nproc, help="local ranks")
-    p.add_argument("--d-model", type=int, default=d.d_model, help="model width")
-    p.add_argument("--layers", type=int, default=d.n_layers, help="transformer blocks")
-    p.add_argument("--heads", type=int, default=d.n_heads, help="attention heads")
-    p.add_argument("--batch", type=int, default=d.batch, help="sequences per rank per step")
-    p.add_argument("--context", type=int, default=d.context, help="tokens per sequence")
+    add_gpt_bench_options(p, d)
     p.add_argument("--steps", type=int, default=d.steps, help="timed steps per optimizer")
     p.add_argument("--warmup", type=int, default=d.warmup, help="untimed steps per optimizer")
     p.add_argument(

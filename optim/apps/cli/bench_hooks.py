@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
 from bindings.json_object import JsonObject
 from bindings.spawn import LocalRunError
 from optim.apps.benchmarks.ddp_hooks import HookBenchConfig, run_hook_bench
-from optim.apps.benchmarks.output import Table, markdown_table, write_bench_json
-from optim.apps.cli.options import densities_arg
+from optim.apps.benchmarks.output import Table, markdown_table
+from optim.apps.cli.options import add_gpt_bench_options, densities_arg, run_bench, with_total
 
 __all__ = ["add_hooks_parser", "format_hook_table", "hook_table"]
 
@@ -72,16 +71,10 @@ def _cmd_hooks(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         args.cmd_parser.error(str(exc))
-    try:
-        bench = run_hook_bench(config)
-    except LocalRunError as exc:
-        print(f"sparsecomm bench hooks: error: {exc}", file=sys.stderr)
-        return 1
-    print(format_hook_table(bench))
-    print(f"total {bench['wall_time_s']:.0f} s")
-    if args.json:
-        print(f"wrote {write_bench_json(args.json, bench)}")
-    return 0
+    bench = run_bench(
+        "hooks", lambda: run_hook_bench(config), with_total(format_hook_table), args.json, (LocalRunError,)
+    )
+    return 0 if bench is not None else 1
 
 
 def add_hooks_parser(inner: Any) -> None:
@@ -94,10 +87,7 @@ def add_hooks_parser(inner: Any) -> None:
         "batches) and prints validation loss, wire bytes per step and step time, each relative to plain DDP.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--nproc", type=int, default=d.nproc, help="local ranks")
-    p.add_argument("--d-model", type=int, default=d.d_model, help="model width")
-    p.add_argument("--layers", type=int, default=d.n_layers, help="transformer blocks")
-    p.add_argument("--batch", type=int, default=d.batch, help="sequences per rank per step")
+    add_gpt_bench_options(p, d, heads=False, context=False)
     p.add_argument("--steps", type=int, default=d.steps, help="training steps per hook")
     p.add_argument("--start-iter", type=int, default=d.start_iter, help="dense first iterations of every hook")
     p.add_argument("--densities", type=densities_arg, default=d.densities, help="comma list of sparse hook densities")

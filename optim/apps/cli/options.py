@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from bindings.json_object import JsonObject
 from optim.apps.benchmarks.output import write_bench_json
@@ -14,7 +15,14 @@ from optim.optimizers.local import LOCAL_SCHEDULES, NORMALIZERS, WINDOW_ORDERS
 from optim.optimizers.local_optimizer import NOISE
 from optim.optimizers.scape import MASK_SCORES, UNSELECTED_POLICIES
 
-__all__ = ["add_model_options", "add_scape_options", "densities_arg", "model_settings", "scape_settings"]
+__all__ = [
+    "add_gpt_bench_options",
+    "add_model_options",
+    "add_scape_options",
+    "densities_arg",
+    "model_settings",
+    "scape_settings",
+]
 
 
 def add_model_options(p: argparse.ArgumentParser, d: TrainConfig) -> None:
@@ -41,6 +49,26 @@ def add_model_options(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     p.add_argument("--task", choices=TASKS, default=d.task, help="byte-level LM (text) or MLP on sklearn digits")
     p.add_argument("--corpus", choices=CORPORA, default=d.corpus, help="text task: corpus when no --data is given")
     p.add_argument("--arch", choices=ARCHS, default=d.arch, help="text task: transformer family")
+
+
+def add_gpt_bench_options(p: argparse.ArgumentParser, d: Any, *, heads: bool = True, context: bool = True) -> None:
+    """Local ranks and the GPT's shape of a benchmark (defaults from its config ``d``).
+
+    Args:
+        p: The benchmark's parser.
+        d: The benchmark's default config (``nproc``, ``d_model``, ``n_layers``, ``batch`` and, as asked,
+            ``n_heads`` and ``context``).
+        heads: Add ``--heads``.
+        context: Add ``--context``.
+    """
+    p.add_argument("--nproc", type=int, default=d.nproc, help="local ranks")
+    p.add_argument("--d-model", type=int, default=d.d_model, help="model width")
+    p.add_argument("--layers", type=int, default=d.n_layers, help="transformer blocks")
+    if heads:
+        p.add_argument("--heads", type=int, default=d.n_heads, help="attention heads")
+    p.add_argument("--batch", type=int, default=d.batch, help="sequences per rank per step")
+    if context:
+        p.add_argument("--context", type=int, default=d.context, help="tokens per sequence")
 
 
 def densities_arg(text: str) -> tuple[float, ...]:
@@ -190,3 +218,12 @@ def run_bench(
     if json_path:
         print(f"wrote {write_bench_json(json_path, bench)}")
     return bench
+
+
+def with_total(table: Callable[[JsonObject], str]) -> Callable[[JsonObject], str]:
+    """``table`` with a last line giving the benchmark's total wall time (its ``wall_time_s``)."""
+
+    def text(bench: JsonObject) -> str:
+        return f"{table(bench)}\ntotal {bench['wall_time_s']:.0f} s"
+
+    return text

@@ -12,7 +12,7 @@ from bindings.json_object import JsonObject
 from bindings.validate import check_bool, check_density
 from optim.apps.train_job.data import DEFAULT_MAX_BYTES
 from optim.apps.train_job.model import GPTConfig
-from optim.apps.train_job.tasks import TaskSpec
+from optim.apps.train_job.tasks import TaskSpec, check_choices
 from optim.optimizers.diloco import DiLoCo, diloco_period
 from optim.optimizers.local import LOCAL_SCHEDULES, NORMALIZERS, WINDOW_ORDERS, LocalAdamS
 from optim.optimizers.local_optimizer import NOISE, LocalOptimizer
@@ -168,25 +168,22 @@ class TrainConfig:
         for name in ("mask_delay", "sparse_warmup_steps", "refresh_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.local_wire not in LOCAL_WIRES:
-            raise ValueError(f"local_wire must be one of {LOCAL_WIRES}, got {self.local_wire!r}")
-        if self.local_normalizer not in NORMALIZERS:
-            raise ValueError(f"local_normalizer must be one of {NORMALIZERS}, got {self.local_normalizer!r}")
-        if self.local_window_order not in WINDOW_ORDERS:
-            raise ValueError(f"local_window_order must be one of {WINDOW_ORDERS}, got {self.local_window_order!r}")
+        check_choices(
+            self, {"local_wire": LOCAL_WIRES, "local_normalizer": NORMALIZERS, "local_window_order": WINDOW_ORDERS}
+        )
         if self.local_normalizer_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"local_normalizer_dtype must be float32 or bfloat16, got {self.local_normalizer_dtype!r}")
-        if self.local_noise not in NOISE:
-            raise ValueError(f"local_noise must be one of {NOISE}, got {self.local_noise!r}")
+        check_choices(self, {"local_noise": NOISE})
         check_bool("local_overlap", self.local_overlap)
-        if self.local_moment not in LOCAL_MOMENTS:
-            raise ValueError(f"local_moment must be one of {tuple(LOCAL_MOMENTS)}, got {self.local_moment!r}")
-        if self.local_schedule not in LOCAL_SCHEDULES:
-            raise ValueError(f"local_schedule must be one of {LOCAL_SCHEDULES}, got {self.local_schedule!r}")
-        if self.unselected not in UNSELECTED_POLICIES:
-            raise ValueError(f"unselected must be one of {UNSELECTED_POLICIES}, got {self.unselected!r}")
-        if self.mask_score not in MASK_SCORES:
-            raise ValueError(f"mask_score must be one of {MASK_SCORES}, got {self.mask_score!r}")
+        check_choices(
+            self,
+            {
+                "local_moment": LOCAL_MOMENTS,
+                "local_schedule": LOCAL_SCHEDULES,
+                "unselected": UNSELECTED_POLICIES,
+                "mask_score": MASK_SCORES,
+            },
+        )
         if self.mask_score == "abs_m_residual" and not self.error_feedback:
             raise ValueError("mask_score 'abs_m_residual' needs error_feedback")
         if not 0.0 <= self.explore < 1.0:

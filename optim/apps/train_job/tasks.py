@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -56,6 +57,7 @@ __all__ = [
     "TASKS",
     "Task",
     "TaskSpec",
+    "check_choices",
     "DigitsTask",
     "TextTask",
     "make_task",
@@ -69,6 +71,22 @@ TEXT_ARCHS = ("gpt", "encoder", "gru")
 DIGITS_ARCHS = ("mlp", "cnn")
 """Model families of the ``digits`` task; there ``gpt``, the default of ``arch``, also means the MLP."""
 ARCHS = TEXT_ARCHS + DIGITS_ARCHS
+
+
+def check_choices(config: object, choices: Mapping[str, Collection[object]]) -> None:
+    """Check that each named field of ``config`` holds one of its choices, in the order given.
+
+    Args:
+        config: The object whose fields are checked.
+        choices: Field name -> the values it may hold.
+
+    Raises:
+        ValueError: Naming the first field whose value is not one of its choices.
+    """
+    for name, allowed in choices.items():
+        value = getattr(config, name)
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {tuple(allowed)}, got {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,12 +107,7 @@ class TaskSpec:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.task not in TASKS:
-            raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
-        if self.corpus not in CORPORA:
-            raise ValueError(f"corpus must be one of {CORPORA}, got {self.corpus!r}")
-        if self.arch not in ARCHS:
-            raise ValueError(f"arch must be one of {ARCHS}, got {self.arch!r}")
+        check_choices(self, {"task": TASKS, "corpus": CORPORA, "arch": ARCHS})
         if self.task == "text":
             if self.arch not in TEXT_ARCHS:
                 raise ValueError(f"the text task's arch must be one of {TEXT_ARCHS}, got {self.arch!r}")

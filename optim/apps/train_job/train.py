@@ -39,7 +39,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, cast
@@ -61,6 +61,7 @@ __all__ = [
     "OnStep",
     "Worker",
     "train_worker",
+    "joined_group",
     "launch_local",
     "run_training",
 ]
@@ -332,16 +333,29 @@ def _clip_and_step(config: TrainConfig, params: list[torch.nn.Parameter], optimi
     return norm
 
 
+@contextlib.contextmanager
+def joined_group(backend: str, threads: int, comm_timeout_s: float) -> Iterator[None]:
+    """In a spawned rank: ``threads`` torch threads, in the default group until the block ends.
+
+    Args:
+        backend: Backend of the default group (joined from the launcher's environment).
+        threads: ``torch.set_num_threads`` of this rank.
+        comm_timeout_s: Deadline of every collective, seconds.
+    """
+    torch.set_num_threads(threads)
+    dist.init_process_group(backend, timeout=timedelta(seconds=comm_timeout_s))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def _rank_main(
     rank: int, world_size: int, worker: Worker, config: TrainConfig, on_step: OnStep | None
 ) -> TrainResult | None:
     """Body of one spawned rank: join the group from the launcher's environment, train."""
-    torch.set_num_threads(config.threads)
-    dist.init_process_group(config.backend, timeout=timedelta(seconds=config.comm_timeout_s))
-    try:
+    with joined_group(config.backend, config.threads, config.comm_timeout_s):
         out = worker(config, rank, world_size, on_step if rank == 0 else None)
-    finally:
-        dist.destroy_process_group()
     return out if rank == 0 else None
 
 

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import logging
-import os
 from pathlib import Path
 
 import torch
@@ -29,6 +27,7 @@ import optim
 import sparsecomm.distributed as dist
 from optim.integrations.huggingface import DDPCommCallback
 from sparsecomm.hooks import SparseHookState
+from tests.dist.torchrun import end_worker
 
 
 class Sequences(torch.utils.data.Dataset):
@@ -116,13 +115,7 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     dist.init_process_group("gloo")
     results = {name: run(name, a.out, a.steps) for name in a.optimizers.split(",")}
-    rank = dist.get_rank()
-    (a.out / f"rank{rank}.json").write_text(json.dumps(results))
-    dist.barrier()
-    dist.destroy_process_group()
-    # Interpreter teardown after gloo groups can abort ("terminate called without an active
-    # exception"), with torch.distributed alone as well: the results are written, leave now.
-    os._exit(0)
+    end_worker(a.out, results)
 
 
 if __name__ == "__main__":

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import logging
-import os
 import warnings
 from pathlib import Path
 
@@ -26,6 +24,7 @@ import optim
 import sparsecomm.distributed as dist
 from optim.integrations.lightning import SparseDDPStrategy
 from sparsecomm.hooks import SparseHookState
+from tests.dist.torchrun import end_worker
 
 
 class Regression(L.LightningModule):
@@ -107,10 +106,7 @@ def main() -> None:
     warnings.filterwarnings("ignore", module="lightning")
     dist.init_process_group("gloo")
     results = {v: run(v, a.steps) for v in a.variants.split(",")}
-    (a.out / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)  # as the other trainer workers: results are written
+    end_worker(a.out, results)
 
 
 if __name__ == "__main__":

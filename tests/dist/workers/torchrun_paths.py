@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
-import os
 from pathlib import Path
 
 import torch
@@ -19,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 import optim
 import sparsecomm.distributed as dist
 from sparsecomm.hooks import SparseHookState, sparse_allreduce_hook
+from tests.dist.torchrun import end_worker
 
 
 def model() -> torch.nn.Module:
@@ -99,10 +98,7 @@ def main() -> None:
             after[k]["bytes_sent"] - before.get(k, {}).get("bytes_sent", 0) for k in after if k.startswith("fsdp_")
         ),
     }
-    (a.out / f"rank{rank}.json").write_text(json.dumps(out))
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)  # as the other torchrun workers: results are written
+    end_worker(a.out, out)
 
 
 if __name__ == "__main__":
