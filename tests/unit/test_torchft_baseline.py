@@ -13,16 +13,15 @@ import pytest
 from bindings.json_object import JsonObject
 from optim.apps.benchmarks import torchft_baseline
 from optim.apps.benchmarks.torchft_baseline import (
-    TorchftRecoveryConfig,
     _copy_events,
     _Kill,
     _moved_stop_step,
     _ready_to_kill,
     _replica_settings,
     _Roles,
-    _settings_json,
     run_torchft_recovery,
 )
+from optim.apps.benchmarks.torchft_config import TorchftRecoveryConfig, settings_json
 from optim.apps.benchmarks.torchft_phases import read_replica_events
 from optim.apps.benchmarks.torchft_replica import _wait_for_go, read_stop_step, write_stop_step
 from resilient_comm.events import EventWriter
@@ -45,13 +44,13 @@ def test_inconsistent_settings_are_refused(fields: JsonObject, message: str) -> 
         run_torchft_recovery(**fields)
 
 
-def test_options_become_the_config_and_the_settings_json(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_options_become_the_config_and_thesettings_json(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[TorchftRecoveryConfig] = []
     monkeypatch.setattr(torchft_baseline, "run_torchft_recovery_from", lambda c: seen.append(c) or {})
     run_torchft_recovery(3, 5, 15, 1024, 30.0, step_sleep_s=0.02, heartbeat_timeout_ms=1500, pg_timeout_s=2.5)
     (config,) = seen
     assert config.heartbeat_timeout == timedelta(milliseconds=1500) and config.quorum_min == 2
-    settings = _settings_json(config, torchft_version="0.2.0", rust_log="warn")
+    settings = settings_json(config, torchft_version="0.2.0", rust_log="warn")
     assert settings == {
         "torchft_version": "0.2.0",
         "n": 3,
