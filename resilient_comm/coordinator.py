@@ -57,7 +57,7 @@ from resilient_comm.beacon import BeaconListener
 from resilient_comm.config import CoordinatorConfig
 from resilient_comm.errors import MembershipError
 from resilient_comm.events import EventLog
-from resilient_comm.plan import plan_next_epoch
+from resilient_comm.plan import plan_first_epoch, plan_next_epoch
 from resilient_comm.roster import Roster
 from resilient_comm.standby import FencedError, Handover, Leadership
 from resilient_comm.view import MemberInfo, View
@@ -426,19 +426,9 @@ class Coordinator:
         spares = sum(1 for i, m in self._roster.members.items() if m.role == "spare" and i not in self._roster.dead)
         if spares < self.config.spares and waited_s < self.config.spare_wait.total_seconds():
             return  # the job's own spares are still starting
-        slots: list[int | None] = [None] * n
-        rest = []
-        for i in actives:
-            s = self._roster.members[i].slot
-            if 0 <= s < n and slots[s] is None:
-                slots[s] = i
-            else:
-                rest.append(i)
-        for s in range(n):
-            if slots[s] is None:
-                slots[s] = rest.pop(0)
+        members, rest = plan_first_epoch({i: self._roster.members[i].slot for i in actives}, n)
         self._roster.add_spares(rest)  # extra actives wait as spares
-        self._publish(View(epoch=0, job=self.config.job, members=tuple(m for m in slots if m is not None)))
+        self._publish(View(epoch=0, job=self.config.job, members=members))
 
     def _publish(self, view: View) -> None:
         store = self._store

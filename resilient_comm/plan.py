@@ -159,3 +159,38 @@ def plan_next_epoch(
         rank_map=MappingProxyType(rank_map),
         mode=kind,
     )
+
+
+def plan_first_epoch(claims: Mapping[int, int], world_size: int) -> tuple[tuple[int, ...], list[int]]:
+    """The members of epoch 0, slot by slot, and the active members left over (they wait as spares).
+
+    A member gets the slot it claims (its launch rank) when that slot is in
+    range and not claimed by a member with a lower id; the others fill the
+    empty slots in id order.
+
+    Args:
+        claims: Every live active member's id and the slot it claims.
+        world_size: Slots of the first epoch (>= 1); ``claims`` holds at least that many members.
+
+    Returns:
+        The members by slot, and the rest in id order.
+
+    Raises:
+        ValueError: Fewer claims than slots.
+    """
+    n = check_int("world_size", world_size, low=1)
+    if len(claims) < n:
+        raise ValueError(f"claims: {len(claims)} members for {n} slots")
+    slots: list[int | None] = [None] * n
+    rest = []
+    for member in sorted(claims):
+        slot = claims[member]
+        if 0 <= slot < n and slots[slot] is None:
+            slots[slot] = member
+        else:
+            rest.append(member)
+    for slot in range(n):
+        if slots[slot] is None:
+            slots[slot] = rest.pop(0)
+    return tuple(m for m in slots if m is not None), rest
+

@@ -189,3 +189,24 @@ def test_ulfm_table_closing_and_quorum() -> None:
     assert _plan_from_table([_row(0, 0), _row(1, 1, closing=1)], "hotswap", 1) is None
     with pytest.raises(MembershipError, match="no quorum: 2 of epoch 3's 4 members survived"):
         _plan_from_table([_row(0, 0), _row(1, 1), _row(5, -1)], "hotswap", 1)
+
+
+def test_the_first_epoch_gives_each_member_the_slot_it_claims() -> None:
+    from resilient_comm.plan import plan_first_epoch
+
+    assert plan_first_epoch({10: 2, 11: 0, 12: 1}, 3) == ((11, 12, 10), [])
+
+
+def test_the_first_epoch_fills_taken_or_out_of_range_slots_in_id_order_and_leaves_the_rest_spare() -> None:
+    from resilient_comm.plan import plan_first_epoch
+
+    # 5 and 7 both claim slot 0 (the lower id wins), 9 claims slot 4 of 3: they fill slots 1 and 2 in id order
+    assert plan_first_epoch({7: 0, 5: 0, 9: 4}, 3) == ((5, 7, 9), [])
+    assert plan_first_epoch({1: 1, 2: 1, 3: 1, 4: 0}, 2) == ((4, 1), [2, 3])
+
+
+def test_the_first_epoch_needs_a_member_per_slot() -> None:
+    from resilient_comm.plan import plan_first_epoch
+
+    with pytest.raises(ValueError, match="2 members for 3 slots"):
+        plan_first_epoch({1: 0, 2: 1}, 3)
