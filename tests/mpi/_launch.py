@@ -21,7 +21,7 @@ import pytest
 
 from bindings.spawn import find_mpirun, mpirun_python
 
-__all__ = ["ROOT", "run_mpi", "run_mpi_ok"]
+__all__ = ["ROOT", "WORKERS", "run_mpi", "run_mpi_ok"]
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKERS = ROOT / "tests" / "mpi" / "workers"

@@ -462,6 +462,8 @@ def main() -> int:
         except Exception:  # noqa: BLE001 - report every failure, on every rank
             mine = f"rank {world.rank}: {name}: {traceback.format_exc()}"
         reports = world.allgather(mine)  # every rank reaches the same decision
+        if world.rank == 0:
+            print(f"CHECK {name} {'FAIL' if any(reports) else 'PASS'}", flush=True)
         if any(reports):
             failure = "\n".join(x for x in reports if x)
             break
