@@ -193,4 +193,3 @@ def plan_first_epoch(claims: Mapping[int, int], world_size: int) -> tuple[tuple[
         if slots[slot] is None:
             slots[slot] = rest.pop(0)
     return tuple(m for m in slots if m is not None), rest
-

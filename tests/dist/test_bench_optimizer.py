@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 
 from bindings.stats import ring_bytes
-from optim.apps.cli.bench import format_optimizer_table
 from optim.apps.benchmarks.optimizer import (
     OptimizerBenchConfig,
     bench_variants,
     optimizer_bench_worker,
     summarize_ranks,
 )
+from optim.apps.cli.bench import format_optimizer_table
 from optim.apps.train_job.model import GPT
 from tests.dist.harness import run_ranks
 

@@ -272,7 +272,7 @@ def _rank_optimizer_syncs(rank: int, ws: int) -> dict[str, Any]:
     x, y = _batch(rank, 0)
     torch.nn.functional.mse_loss(ddp(x), y).backward()
     torch.nn.functional.mse_loss(ref(x), y).backward()
-    out["own_grads"] = all(torch.equal(a.grad, b.grad) for a, b in zip(ddp.parameters(), ref.parameters()))
+    out["own_grads"] = all(torch.equal(a.grad, b.grad) for a, b in zip(ddp.parameters(), ref.parameters(), strict=True))
     # SCAPE under DDP trains exactly as SCAPE alone, and the wire carries SCAPE's bytes alone
     for kind in ("alone", "ddp"):
         model = _model()

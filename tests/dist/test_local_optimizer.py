@@ -354,7 +354,7 @@ def test_debias_gives_adamw_the_second_moment_of_the_averaged_gradient(noise: st
 
 
 def _clipped(rank: int, ws: int) -> dict:
-    """Gradients ``mu + e_rank`` (noise 3x the signal per coordinate): the norm each rank clips by, after the warm-up."""
+    """Gradients ``mu + e_rank`` (noise 3x the signal per coordinate): the norm each rank clips by after the warm-up."""
     from optim import LocalOptimizer
 
     n = 4000

@@ -13,8 +13,8 @@ import pytest
 from bindings.spawn import LocalRunError
 from bindings.stats import ring_bytes
 from optim.apps.cli.main import build_parser
-from optim.apps.cli.report import build_report, write_report
 from optim.apps.cli.options import model_settings
+from optim.apps.cli.report import build_report, write_report
 from optim.apps.train_job.job_config import TrainConfig, lr_at
 from optim.apps.train_job.train import OnStep, launch_local, run_training
 from tests.dist.harness import clear_launcher_env

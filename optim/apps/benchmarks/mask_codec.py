@@ -22,9 +22,7 @@ from sparsecomm.mask import ENCODINGS, decode_piece, encode_piece
 __all__ = ["bench_mask_codec", "format_mask_codec_table", "main"]
 
 
-def bench_mask_codec(
-    shard_size: int = 4_000_000, k: int = 40_000, repeats: int = 7, seed: int = 0
-) -> list[JsonObject]:
+def bench_mask_codec(shard_size: int = 4_000_000, k: int = 40_000, repeats: int = 7, seed: int = 0) -> list[JsonObject]:
     """Time encode + decode of ``k`` random sorted positions of a ``shard_size`` shard, per encoding.
 
     Args:

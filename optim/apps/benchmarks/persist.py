@@ -294,9 +294,7 @@ def _row(config: PersistBenchConfig, optimizer: str, density: float) -> JsonObje
     return row
 
 
-def run_persist_bench(
-    config: PersistBenchConfig, *, on_row: Callable[[JsonObject], None] | None = None
-) -> JsonObject:
+def run_persist_bench(config: PersistBenchConfig, *, on_row: Callable[[JsonObject], None] | None = None) -> JsonObject:
     """Run every optimizer's pair of runs; return ``config`` and ``rows``."""
     t0 = time.time()
     specs = [("scape", d) for d in config.densities] + ([("adams", 1.0)] if config.dense else [])

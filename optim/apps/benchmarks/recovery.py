@@ -329,9 +329,7 @@ def _new_epoch_configured(launcher: Launcher) -> bool:
     return any(e["event"] == "epoch_configured" and (e["epoch"] or 0) >= 1 for e in launcher.coordinator.log.events)
 
 
-def _phases(
-    logs: dict[int, list[JsonObject]], events: list[JsonObject], victim: int, t_fault: float
-) -> JsonObject:
+def _phases(logs: dict[int, list[JsonObject]], events: list[JsonObject], victim: int, t_fault: float) -> JsonObject:
     raised = [
         min(r["time"] for r in recs if r["event"] == "raised" and r["time"] >= t_fault)
         for pid, recs in logs.items()

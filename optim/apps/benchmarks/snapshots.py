@@ -187,9 +187,7 @@ class CheckpointBenchConfig:
 
 
 # ---------------------------------------------------------------------------------------------- analysis
-def overhead_from_events(
-    events: list[JsonObject], *, block: int, skip_steps: int, last_step: int
-) -> JsonObject:
+def overhead_from_events(events: list[JsonObject], *, block: int, skip_steps: int, last_step: int) -> JsonObject:
     """Median step time with and without a snapshot from the ``committed`` events of an alternating run.
 
     Each step's time is the max over ranks. ``on``: steps of a snapshot block

@@ -5,11 +5,12 @@ task for a few steps with each optimizer named by ``--optimizers``, passed as
 ``Trainer(optimizers=(opt, None))`` after ``sparsecomm.distributed``
 initialized the job. A name may end in ``+sync`` (``DDPCommCallback(trainer)``: the optimizer syncs,
 DDP sends nothing; Trainer's clipping off, it would clip each rank's own
-gradient), ``+noclip`` (Trainer's clipping off, nothing else) or ``+hookD`` (``DDPCommCallback(trainer, SparseHookState(density=D))``:
-the sparse DDP hook). Every rank writes ``<out>/rank<r>.json``: per optimizer,
-the logged losses, how many parameters changed, a digest of the final
-parameters (equal on every rank when the replicas agree), the comm hook DDP
-ran and the bytes of sparsecomm's groups.
+gradient), ``+noclip`` (Trainer's clipping off, nothing else) or ``+hookD``
+(``DDPCommCallback(trainer, SparseHookState(density=D))``: the sparse DDP hook).
+Every rank writes ``<out>/rank<r>.json``: per optimizer, the logged losses,
+how many parameters changed, a digest of the final parameters (equal on every
+rank when the replicas agree), the comm hook DDP ran and the bytes of
+sparsecomm's groups.
 """
 
 from __future__ import annotations
