@@ -179,12 +179,15 @@ class Coordinator:
             raise _JobFailed(str(exc)) from exc
         roster.restore(state.dead, state.left, state.spares)
         self._shutdown = state.shutdown
-        with self._lock:
-            self._view = state.view
         if observe:
             if state.shutdown:
                 raise _JobEnded()
+            if state.view is None or all(m in roster.members for m in state.view.members):
+                with self._lock:  # a view whose members' registrations are not read yet waits for the next poll
+                    self._view = state.view
             return
+        with self._lock:
+            self._view = state.view
         roster.skip_refusals()  # logged by the coordinator they came to
         self._publish_beacon()
         if state.shutdown:  # the job ended under the coordinator before: see the last processes out
