@@ -361,11 +361,11 @@ class LocalAdamS(ReplicatedAdamS):
         if self.noise is not None:
             self.noise.load_state_dict(extra)
 
-    def _snapshot_extra(self) -> StateDict:
-        return {**super()._snapshot_extra(), **({} if self.noise is None else {"noise_ema": self.noise.ema})}
-
-    def _extra_state(self) -> StateDict:
-        return {**super()._extra_state(), **({} if self.noise is None else self.noise.state_dict())}
+    def _extra_state(self, *, live: bool) -> StateDict:
+        extra = super()._extra_state(live=live)
+        if self.noise is not None:
+            extra["noise_ema"] = self.noise.ema if live else self.noise.ema.clone()
+        return extra
 
     @torch.no_grad()
     def restore_replica(self, snap: StateDict) -> None:

@@ -158,16 +158,10 @@ class ReplicatedAdamS(ShardedAdamS):
         self._master.copy_(self._bucket.own_slice(self._flat))
         self._master_wins = False  # the replica was loaded into the parameters themselves
 
-    def _snapshot_extra(self) -> StateDict:
-        return dict(self._saved_state())
+    def _extra_state(self, *, live: bool) -> StateDict:
+        return {n: t if live else t.clone() for n, t in self._saved_state().items()}
 
-    def _restore_extra(self, extra: StateDict) -> None:
-        self._copy_full(extra)
-
-    def _extra_state(self) -> StateDict:
-        return {n: t.clone() for n, t in self._saved_state().items()}
-
-    def _load_extra(self, extra: StateDict) -> None:
+    def _load_extra(self, extra: StateDict, *, what: str, collective: bool) -> None:
         self._copy_full(extra)
 
     @torch.no_grad()

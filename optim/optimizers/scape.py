@@ -301,33 +301,48 @@ class SCAPE(ShardedAdamS):
         b = self.bucket
         return self.mask_delay * b.world_size * k_for(b.numel, b.world_size, self.density) * 8
 
-    def _snapshot_extra(self) -> StateDict:
-        # Masks of the next D steps were proposed before the last step: their
-        # gathers had a step to finish. The newest one (step + D) is re-made on
-        # restore from the restored first moment, bit for bit.
-        masks: dict[int, Tensor] = {}
+    def _held_masks(self, count: int) -> dict[int, ShardedMask]:
+        """The masks of steps ``step .. step + count - 1`` there are (waiting for gathers in flight), kept."""
+        masks: dict[int, ShardedMask] = {}
         if self._sched is not None:
-            for s in range(self._step, self._step + self.mask_delay):
+            for s in range(self._step, self._step + count):
                 m = self._sched.mask_for(s)
                 if m is not None:
-                    masks[s] = m.indices
-        return {"masks": masks, "residual": self._residual}
+                    masks[s] = m
+            for s, m in masks.items():  # mask_for dropped the earlier ones: put them back
+                self._sched.install(s, m)
+        return masks
 
-    def _restore_extra(self, extra: StateDict) -> None:
+    # ------------------------------------------------------------------ state
+    def _extra_state(self, *, live: bool) -> StateDict:
+        # A state dict holds every mask of steps step .. step + D, waiting for the newest gather. A snapshot
+        # (live tensors) holds the masks of the next D steps, proposed before the last step (their gathers
+        # had a step to finish); the newest one (step + D) is re-made on restore from the restored first
+        # moment, bit for bit.
+        masks = self._held_masks(self.mask_delay if live else self.mask_delay + 1)
+        residual = self._residual if live or self._residual is None else self._residual.clone()
+        return {"masks": {s: m.indices if live else m.indices.clone() for s, m in masks.items()}, "residual": residual}
+
+    def _load_extra(self, extra: StateDict, *, what: str, collective: bool) -> None:
         b = self._bucket
         if (extra.get("residual") is None) != (self._residual is None):
-            raise ValueError("snapshot: error_feedback setting differs from the saved state")
+            raise ValueError(f"{what}: error_feedback setting differs from the saved state")
         if self._residual is not None:
             self._residual.copy_(extra["residual"])
         if self._sched is None:
             if extra["masks"]:
-                raise ValueError("snapshot: holds masks but this optimizer is dense (density 1)")
+                raise ValueError(f"{what}: holds masks but this optimizer is dense (density 1)")
             return
-        self._sched.abandon()
+        if collective:
+            self._sched.abandon()  # a restore after a failure: what was in flight is gone
+        else:
+            self._sched.close()
         for s, idx in sorted(extra["masks"].items()):
             self._sched.install(
                 int(s), ShardedMask(numel=b.numel, world_size=b.world_size, k=idx.shape[1], indices=idx)
             )
+        if not collective:
+            return
         # Re-make every mask of steps step .. step + D the snapshot does not hold (the newest one,
         # step + D; all of them after a re-shard) from the restored state, exactly as it was made.
         held = {int(s) for s in extra["masks"]}
@@ -335,32 +350,3 @@ class SCAPE(ShardedAdamS):
             if target not in held and self.is_sparse_step(target):
                 made = target - 1 - self.mask_delay
                 self._sched.propose(made, self._scores(made))
-
-    # ------------------------------------------------------------------ state
-    def _extra_state(self) -> StateDict:
-        masks: dict[int, ShardedMask] = {}
-        if self._sched is not None:
-            for s in range(self._step, self._step + self.mask_delay + 1):
-                m = self._sched.mask_for(s)
-                if m is not None:
-                    masks[s] = m
-            for s, m in masks.items():  # mask_for dropped the earlier ones: put them back
-                self._sched.install(s, m)
-        return {
-            "masks": {s: m.indices.clone() for s, m in masks.items()},
-            "residual": None if self._residual is None else self._residual.clone(),
-        }
-
-    def _load_extra(self, extra: StateDict) -> None:
-        b = self._bucket
-        if (extra.get("residual") is None) != (self._residual is None):
-            raise ValueError("state_dict: error_feedback setting differs from the saved state")
-        if self._residual is not None:
-            self._residual.copy_(extra["residual"])
-        if self._sched is not None:
-            self._sched.close()
-            for s, idx in sorted(extra["masks"].items()):
-                mask = ShardedMask(numel=b.numel, world_size=b.world_size, k=idx.shape[1], indices=idx)
-                self._sched.install(int(s), mask)
-        elif extra["masks"]:
-            raise ValueError("state_dict: holds masks but this optimizer is dense (density 1)")

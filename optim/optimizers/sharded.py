@@ -345,8 +345,12 @@ class _ShardedOptimizer(_OverBucket, Optimizer):
             t.copy_(sh["shard"][n])
         self._step = int(sh["step"])
 
-    def _extra_state(self) -> StateDict:
+    def _extra_state(self, *, live: bool) -> StateDict:
+        """What the subclass saves beside the shard: its live tensors (a snapshot) or copies (a state dict)."""
         return {}
+
+    def _load_extra(self, extra: StateDict, *, what: str, collective: bool) -> None:
+        """Load :meth:`_extra_state`'s ``extra`` (``collective``: from a snapshot, every rank at once)."""
 
     # ------------------------------------------------------------------ snapshots
     def checkpoint_decay(self) -> dict[str, float]:
@@ -376,7 +380,7 @@ class _ShardedOptimizer(_OverBucket, Optimizer):
             "numel": self._bucket.numel,
             "master": self._master,
             "shard": dict(self._shard),
-            "extra": self._snapshot_extra(),
+            "extra": self._extra_state(live=True),
         }
 
     def restore_snapshot(self, snap: StateDict) -> None:
@@ -390,7 +394,7 @@ class _ShardedOptimizer(_OverBucket, Optimizer):
         self._check_shard("snapshot", snap)
         self._quiesce()
         self._copy_shard(snap)
-        self._restore_extra(snap["extra"])
+        self._load_extra(snap["extra"], what="snapshot", collective=True)
 
     @torch.no_grad()
     def resync_params(self) -> None:
@@ -405,15 +409,6 @@ class _ShardedOptimizer(_OverBucket, Optimizer):
     def abandon(self) -> None:
         """Forget collectives in flight on a failed transport (call before dropping the optimizer)."""
 
-    def _snapshot_extra(self) -> StateDict:
-        return {}
-
-    def _restore_extra(self, extra: StateDict) -> None:
-        pass
-
-    def _load_extra(self, extra: StateDict) -> None:
-        pass
-
     def state_dict(self) -> StateDict:
         """Per-rank sharded state: master shard, state shards, step (and SCAPE extras)."""
         sd = super().state_dict()
@@ -425,7 +420,7 @@ class _ShardedOptimizer(_OverBucket, Optimizer):
             "step": self._step,
             "master": self._master.clone(),
             "shard": {n: s.clone() for n, s in self._shard.items()},
-            "extra": self._extra_state(),
+            "extra": self._extra_state(live=False),
         }
         return sd
 
@@ -438,7 +433,7 @@ class _ShardedOptimizer(_OverBucket, Optimizer):
         self._quiesce()
         super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
         self._copy_shard(sh)
-        self._load_extra(sh["extra"])
+        self._load_extra(sh["extra"], what="state_dict", collective=False)
 
 
 _NORM_ROW = 1 << 16
