@@ -35,8 +35,6 @@ the next H local steps, which do not need it.
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -46,44 +44,36 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from bindings.validate import check_choice, check_density, check_float, check_int
-from optim.optimizers.outer import OuterLoop
-from optim.optimizers.sparseloco import DEFAULT_PERIOD, pack_indices, unpack_indices
-from sparsecomm.quantized import QUANT_BITS, Quantizer, quantized_all_reduce
+from optim.optimizers.sparseloco import (
+    AccumulatorLoop,
+    CodedPlan,
+    fit_plan,
+    pack_indices,
+    position_bits,
+    unpack_indices,
+)
+from sparsecomm.quantized import QUANT_BITS, quantized_all_reduce
 
 __all__ = ["MaskedLoCo", "MaskedLoCoPlan", "fixed_masked_plan", "masked_loco_plan"]
 
-logger = logging.getLogger(__name__)
-
-_BLOCK = 64
-"""Values per bfloat16 scale of the codes."""
-
 
 @dataclass(frozen=True, kw_only=True)
-class MaskedLoCoPlan:
-    """How much one outer step of :class:`MaskedLoCo` sends.
+class MaskedLoCoPlan(CodedPlan):
+    """How much one outer step of :class:`MaskedLoCo` sends (beside :class:`~optim.optimizers.sparseloco.CodedPlan`'s
+    fields; ``k``: mask positions in each rank's shard).
 
     Attributes:
-        period: Local steps between two outer steps (H).
-        k: Mask positions in each rank's shard.
         shard: Positions per shard (S; the last shard padded).
         world_size: Ranks (P).
-        bits: Code width of the values.
     """
 
-    period: int
-    k: int
     shard: int
     world_size: int
-    bits: int
 
     @property
     def index_bits(self) -> int:
         """Bits of one position inside its shard (w)."""
-        return max(1, (self.shard - 1).bit_length())
-
-    @property
-    def quantizer(self) -> Quantizer:
-        return Quantizer(bits=self.bits, block=_BLOCK)
+        return position_bits(self.shard)
 
     @property
     def index_bytes(self) -> int:
@@ -141,20 +131,11 @@ def masked_loco_plan(
     """
     d = check_density(density)
     first = fixed_masked_plan(numel, world_size, period=1, fraction=fraction, bits=bits)
-    ws, shard = first.world_size, first.shard
-    budget = 8.0 * d * numel / ws  # message bytes per local step at equal bytes ((P - 1) on both sides)
-    period = max(1, round(first.message_bytes / budget))
-    lo, hi = 1, shard  # the largest k whose bytes fit period * budget (at least 1)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if dataclasses.replace(first, k=mid).message_bytes <= period * budget:
-            lo = mid
-        else:
-            hi = mid - 1
-    return dataclasses.replace(first, period=period, k=lo)
+    budget = 8.0 * d * numel / first.world_size  # message bytes per local step at equal bytes ((P - 1) on both sides)
+    return fit_plan(first, lambda p: p.message_bytes, budget, first.shard)
 
 
-class MaskedLoCo(OuterLoop):
+class MaskedLoCo(AccumulatorLoop):
     """Wrap ``optimizer``: SparseLoCo's outer step over a mask the ranks agreed one outer step ahead.
 
     See the module docstring.
@@ -175,6 +156,8 @@ class MaskedLoCo(OuterLoop):
         TypeError, ValueError: As :class:`optim.optimizers.outer.OuterLoop`.
     """
 
+    plan: MaskedLoCoPlan
+
     def __init__(
         self,
         optimizer: Optimizer,
@@ -190,39 +173,26 @@ class MaskedLoCo(OuterLoop):
         max_grad_norm: float = 0.0,
         group: Any = None,
     ) -> None:
-        self._given = (period, fraction, density, bits, outer_lr, decay)
-        self.plan = MaskedLoCoPlan(period=1, k=1, shard=2, world_size=2, bits=2)
-        """What one outer step sends (set by the checks)."""
         super().__init__(
             optimizer,
             model,
-            period=DEFAULT_PERIOD if period is None else period,
+            period=period,
+            fraction=fraction,
+            density=density,
+            bits=bits,
+            outer_lr=outer_lr,
+            decay=decay,
             warmup_steps=warmup_steps,
             max_grad_norm=max_grad_norm,
             group=group,
-            settings=f"{period}|{fraction}|{density}|{bits}|{outer_lr}|{decay}",
-        )
-        p = self.plan
-        logger.info(
-            "MaskedLoCo: period %d, k %d of %d positions per shard, %d bytes per rank per outer step",
-            p.period,
-            p.k,
-            p.shard,
-            p.round_bytes,
+            settings="masked",
         )
 
-    def _check_outer(self) -> None:
-        period, fraction, density, bits, outer_lr, decay = self._given
-        self.outer_lr = check_float("outer_lr", outer_lr, low=0.0, low_open=True)
-        self.decay = check_float("decay", decay, low=0.0, high=1.0, high_open=True)
+    def _make_plan(self, *, period: int, fraction: float, density: float | None, bits: int) -> MaskedLoCoPlan:
         b = self._bucket
         if density is None:
-            self.plan = fixed_masked_plan(b.numel, b.world_size, period=self._period, fraction=fraction, bits=bits)
-            return
-        if period is not None:
-            raise ValueError("period: give period or density, not both (density sets the period)")
-        self.plan = masked_loco_plan(density, b.numel, b.world_size, fraction=fraction, bits=bits)
-        self._period = self.plan.period
+            return fixed_masked_plan(b.numel, b.world_size, period=period, fraction=fraction, bits=bits)
+        return masked_loco_plan(density, b.numel, b.world_size, fraction=fraction, bits=bits)
 
     def _make_outer_buffers(self) -> None:
         p, dev = self.plan, self._bucket.device

@@ -38,8 +38,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -49,7 +50,18 @@ from bindings.validate import check_choice, check_density, check_float, check_in
 from optim.optimizers.outer import OuterLoop
 from sparsecomm.quantized import QUANT_BITS, Quantizer
 
-__all__ = ["SparseLoCo", "SparseLoCoPlan", "fixed_plan", "pack_indices", "sparseloco_plan", "unpack_indices"]
+__all__ = [
+    "AccumulatorLoop",
+    "CodedPlan",
+    "SparseLoCo",
+    "SparseLoCoPlan",
+    "fit_plan",
+    "fixed_plan",
+    "pack_indices",
+    "position_bits",
+    "sparseloco_plan",
+    "unpack_indices",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -60,32 +72,47 @@ DEFAULT_PERIOD = 15
 """H when neither ``period`` nor ``density`` is given."""
 
 
+def position_bits(positions: int) -> int:
+    """Bits of one position among ``positions`` (at least 1)."""
+    return max(1, (positions - 1).bit_length())
+
+
 @dataclass(frozen=True, kw_only=True)
-class SparseLoCoPlan:
-    """How much one SparseLoCo outer step sends.
+class CodedPlan:
+    """What the plans of the accumulator loops share (:class:`AccumulatorLoop`).
 
     Attributes:
         period: Local steps between two outer steps (H).
-        k: Entries sent of every chunk per outer step.
-        chunks: Number of chunks (m).
-        chunk: Positions per chunk (c; the last chunk padded).
+        k: Entries sent per chunk or shard and outer step.
         bits: Code width of the values.
     """
 
     period: int
     k: int
+    bits: int
+
+    @property
+    def quantizer(self) -> Quantizer:
+        """The values' codes: ``bits`` bits each, a bfloat16 scale per 64."""
+        return Quantizer(bits=self.bits, block=_BLOCK)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SparseLoCoPlan(CodedPlan):
+    """How much one SparseLoCo outer step sends (beside :class:`CodedPlan`'s fields).
+
+    Attributes:
+        chunks: Number of chunks (m).
+        chunk: Positions per chunk (c; the last chunk padded).
+    """
+
     chunks: int
     chunk: int
-    bits: int
 
     @property
     def index_bits(self) -> int:
         """Bits of one position inside its chunk (w)."""
-        return max(1, (self.chunk - 1).bit_length())
-
-    @property
-    def quantizer(self) -> Quantizer:
-        return Quantizer(bits=self.bits, block=_BLOCK)
+        return position_bits(self.chunk)
 
     @property
     def value_bytes(self) -> int:
@@ -147,15 +174,33 @@ def sparseloco_plan(
     check_int("world_size", world_size, low=1)
     first = fixed_plan(numel, period=1, fraction=fraction, chunk=chunk, bits=bits)  # k0
     budget = 8.0 * d * numel / world_size  # payload bytes per local step at equal bytes
-    period = max(1, round(first.payload_bytes / budget))
-    lo, hi = 1, first.chunk  # the largest k whose payload fits period * budget (at least 1)
+    return fit_plan(first, lambda p: p.payload_bytes, budget, first.chunk)
+
+
+PlanT = TypeVar("PlanT")
+
+
+def fit_plan(first: PlanT, message_bytes: Callable[[PlanT], int], budget: float, most: int) -> PlanT:
+    """``first`` (a frozen plan with ``period`` and ``k``) at equal bytes: H, then the largest k that fits.
+
+    ``H = max(1, round(message_bytes(first) / budget))``, then the largest
+    ``k <= most`` (at least 1) whose message fits ``H * budget``.
+
+    Args:
+        first: The plan at its aimed-at ``k`` (``k0``).
+        message_bytes: One rank's bytes per outer step of a plan, up to a factor both sides share.
+        budget: Those bytes per local step that equal ``density`` times a dense fp32 all_reduce.
+        most: The largest ``k``.
+    """
+    period = max(1, round(message_bytes(first) / budget))
+    lo, hi = 1, most
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if dataclasses.replace(first, k=mid).payload_bytes <= period * budget:
+        if message_bytes(dataclasses.replace(first, k=mid)) <= period * budget:  # type: ignore[type-var]
             lo = mid
         else:
             hi = mid - 1
-    return dataclasses.replace(first, period=period, k=lo)
+    return dataclasses.replace(first, period=period, k=lo)  # type: ignore[type-var]
 
 
 def pack_indices(idx: Tensor, width: int) -> Tensor:
@@ -175,7 +220,62 @@ def unpack_indices(data: Tensor, n: int, width: int) -> Tensor:
     return (bits.view(n, width) << torch.arange(width, device=data.device)).sum(dim=1)
 
 
-class SparseLoCo(OuterLoop):
+class AccumulatorLoop(OuterLoop):
+    """An outer loop whose ranks keep an error-feedback accumulator and send part of it (a base class).
+
+    The shape :class:`SparseLoCo` and :class:`optim.MaskedLoCo` share: the
+    settings ``period`` or ``density``, ``fraction``, ``bits``, ``outer_lr``
+    and ``decay``, checked here; a subclass turns them into its plan
+    (:meth:`_make_plan`, with ``period`` and ``k``), makes its buffers and
+    defines the outer step.
+    """
+
+    plan: Any
+    """What one outer step sends (set by the checks)."""
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        model: torch.nn.Module,
+        *,
+        period: int | None,
+        fraction: float,
+        density: float | None,
+        bits: int,
+        outer_lr: float,
+        decay: float,
+        warmup_steps: int,
+        max_grad_norm: float,
+        group: Any,
+        settings: str,
+    ) -> None:
+        self._given = (period, fraction, density, bits, outer_lr, decay)
+        super().__init__(
+            optimizer,
+            model,
+            period=DEFAULT_PERIOD if period is None else period,
+            warmup_steps=warmup_steps,
+            max_grad_norm=max_grad_norm,
+            group=group,
+            settings=f"{period}|{fraction}|{density}|{bits}|{outer_lr}|{decay}|{settings}",
+        )
+        logger.info("%s: %s", type(self).__name__, self.plan)
+
+    def _check_outer(self) -> None:
+        period, fraction, density, bits, outer_lr, decay = self._given
+        self.outer_lr = check_float("outer_lr", outer_lr, low=0.0, low_open=True)
+        self.decay = check_float("decay", decay, low=0.0, high=1.0, high_open=True)
+        if density is not None and period is not None:
+            raise ValueError("period: give period or density, not both (density sets the period)")
+        self.plan = self._make_plan(period=self._period, fraction=fraction, density=density, bits=bits)
+        self._period = self.plan.period
+
+    def _make_plan(self, *, period: int, fraction: float, density: float | None, bits: int) -> Any:
+        """The plan of ``density`` (``None``: of ``period`` and ``fraction``) for this bucket."""
+        raise NotImplementedError
+
+
+class SparseLoCo(AccumulatorLoop):
     """Wrap ``optimizer`` (the inner one): SparseLoCo's outer step every H steps (module docstring).
 
     Args:
@@ -196,6 +296,8 @@ class SparseLoCo(OuterLoop):
             communication but one small agreement).
     """
 
+    plan: SparseLoCoPlan
+
     def __init__(
         self,
         optimizer: Optimizer,
@@ -212,42 +314,29 @@ class SparseLoCo(OuterLoop):
         max_grad_norm: float = 0.0,
         group: Any = None,
     ) -> None:
-        self._given = (period, fraction, density, chunk, bits, outer_lr, decay)
-        self.plan = SparseLoCoPlan(period=1, k=1, chunks=1, chunk=2, bits=2)
-        """What one outer step sends (set by the checks)."""
+        self._chunk = chunk
         super().__init__(
             optimizer,
             model,
-            period=DEFAULT_PERIOD if period is None else period,
+            period=period,
+            fraction=fraction,
+            density=density,
+            bits=bits,
+            outer_lr=outer_lr,
+            decay=decay,
             warmup_steps=warmup_steps,
             max_grad_norm=max_grad_norm,
             group=group,
-            settings=f"{period}|{fraction}|{density}|{chunk}|{bits}|{outer_lr}|{decay}",
-        )
-        p = self.plan
-        logger.info(
-            "SparseLoCo: period %d, k %d of %d positions in each of %d chunks, %d bytes per rank per outer step",
-            p.period,
-            p.k,
-            p.chunk,
-            p.chunks,
-            p.payload_bytes,
+            settings=str(chunk),
         )
         self.last_sent: tuple[Tensor, Tensor] | None = None
         """What this rank sent at its last outer step: flat positions, and their values as every rank decodes them."""
 
-    def _check_outer(self) -> None:
-        period, fraction, density, chunk, bits, outer_lr, decay = self._given
-        self.outer_lr = check_float("outer_lr", outer_lr, low=0.0, low_open=True)
-        self.decay = check_float("decay", decay, low=0.0, high=1.0, high_open=True)
-        b = self._bucket
-        if density is not None:
-            if period is not None:
-                raise ValueError("period: give period or density, not both (density sets the period)")
-            self.plan = sparseloco_plan(density, b.numel, b.world_size, chunk=chunk, fraction=fraction, bits=bits)
-            self._period = self.plan.period
-            return
-        self.plan = fixed_plan(b.numel, period=self._period, fraction=fraction, chunk=chunk, bits=bits)
+    def _make_plan(self, *, period: int, fraction: float, density: float | None, bits: int) -> SparseLoCoPlan:
+        b, chunk = self._bucket, self._chunk
+        if density is None:
+            return fixed_plan(b.numel, period=period, fraction=fraction, chunk=chunk, bits=bits)
+        return sparseloco_plan(density, b.numel, b.world_size, chunk=chunk, fraction=fraction, bits=bits)
 
     def _make_outer_buffers(self) -> None:
         p, dev = self.plan, self._bucket.device
