@@ -48,9 +48,10 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 import sparsecomm.distributed as dist
+from bindings.json_object import JsonObject
 from bindings.launch import detect_launch
 from bindings.spawn import run_local
-from bindings.stats import op_delta
+from bindings.stats import CommStats, op_delta
 from optim.apps.train_job.ddp import close_hook, count_torch_collectives, register_hook
 from optim.apps.train_job.job_config import DDP_HOOKS, TORCH_ADAMW, TrainConfig, build_optimizer, lr_at
 from optim.apps.train_job.records import EvalRecord, StepRecord, TrainResult
@@ -132,6 +133,86 @@ def train_step(
     return loss
 
 
+class _GradSync:
+    """How a run's gradients meet: in the optimizer (ours and the wrappers), in DDP's comm hook, or one bucket.
+
+    Args:
+        config: The run.
+        model: The model (a DDP wrapper goes around it for a hook).
+        optimizer: The run's optimizer.
+        world_size: Ranks in the group.
+    """
+
+    def __init__(
+        self, config: TrainConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world_size: int
+    ) -> None:
+        self.config, self.optimizer = config, optimizer
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.numel = sum(p.numel() for p in self.params)
+        self.in_optimizer = config.optimizer not in TORCH_ADAMW
+        self.hook = DDP_HOOKS.get(config.optimizer)
+        self.bucketed = config.optimizer == "allreduce-adamw"
+        self.bucket = torch.zeros(self.numel + 1 if self.bucketed else 0, dtype=torch.float32)  # grads, then loss
+        self.loss_buf = torch.zeros(1, dtype=torch.float32)
+        self.net: torch.nn.Module = model
+        self.hook_state: Any = None
+        self.hook_stats: CommStats | None = None
+        self.start_iter = 0  # dense steps before a DDP hook compresses
+        self.counting: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
+        if self.hook is not None:
+            ddp = DistributedDataParallel(model)
+            self.start_iter = config.sparse_kwargs()["start_iter"]
+            self.hook_state, self.hook_stats = register_hook(
+                ddp,
+                self.hook,
+                density=config.density,
+                powersgd_rank=config.powersgd_rank,
+                start_iter=self.start_iter,
+                seed=config.seed,
+            )
+            if self.hook != "sparse":  # torch's hooks call torch.distributed directly: count them in the backward
+                hook_stats = self.hook_stats
+                self.counting = lambda: count_torch_collectives(hook_stats, world_size)  # noqa: E731
+            self.net = ddp
+
+    def step(self, loss: torch.Tensor, step: int) -> tuple[float, float | None, float | None]:
+        """Synchronize and step after the backward pass of ``step``: (mean loss, grad norm, communication time)."""
+        optimizer = self.optimizer
+        if self.in_optimizer:
+            train_loss = _average_loss(self.loss_buf, loss, step)
+            t_comm = time.perf_counter()
+            optimizer.step()
+            last = getattr(optimizer, "last_grad_norm", None)
+            return train_loss, None if last is None else float(last), time.perf_counter() - t_comm
+        if self.hook is not None:  # DDP's hook averaged the gradients during the backward pass
+            return _average_loss(self.loss_buf, loss, step), _clip_and_step(self.config, self.params, optimizer), None
+        return _allreduce_step(self.config, self.params, self.bucket, loss, optimizer)
+
+    def hook_ops(self) -> JsonObject:
+        """The hook's own operation counters so far (``{}`` without one)."""
+        return self.hook_stats.as_dict() if self.hook_stats is not None else {}
+
+    def sparse(self, step: int) -> bool | None:
+        """Whether ``step`` sent less than the dense gradient (``None``: a dense choice)."""
+        sparse = _sparse_step(self.optimizer, step)
+        return step > self.start_iter if sparse is None and self.hook is not None else sparse
+
+    def bucket_bytes(self) -> int:
+        """Bytes of the flat fp32 buffer the run's gradients travel in (the dense reference of the byte ratios)."""
+        if self.in_optimizer:
+            return int(self.optimizer.bucket.numel) * 4  # type: ignore[attr-defined]
+        if self.bucketed:
+            return self.bucket.numel() * self.bucket.element_size()
+        return self.numel * 4  # the dense fp32 gradient the hook compresses
+
+    def close(self) -> None:
+        """Finish what runs in the background (mask gathers, averaging, the hook's) before the group goes."""
+        close = getattr(self.optimizer, "close", None)
+        if close is not None:
+            close()
+        close_hook(self.hook_state)
+
+
 def train_worker(config: TrainConfig, rank: int, world_size: int, on_step: OnStep | None = None) -> TrainResult:
     """Run the training loop as one rank of an initialised default group.
 
@@ -161,69 +242,24 @@ def train_worker(config: TrainConfig, rank: int, world_size: int, on_step: OnSte
     torch.manual_seed(config.seed)
     model = task.build_model()
     _check_identical_init(model)
-    params = [p for p in model.parameters() if p.requires_grad]
-    numel = sum(p.numel() for p in params)
-    comm = dist.get_communicator()
-    stats = comm.stats
+    stats = dist.get_communicator().stats
     with stats.scope("init"):
         optimizer = build_optimizer(config, model)
-    sharded = config.optimizer not in TORCH_ADAMW
-    hook = DDP_HOOKS.get(config.optimizer)
-    bucketed = config.optimizer == "allreduce-adamw"
-    bucket = torch.zeros(numel + 1 if bucketed else 0, dtype=torch.float32)  # grads, then the loss
-    loss_buf = torch.zeros(1, dtype=torch.float32)
-    net: torch.nn.Module = model
-    hook_state: Any = None
-    hook_stats = None
-    start_iter = 0  # dense steps before a DDP hook compresses
-    counting: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
-    if hook is not None:
-        ddp = DistributedDataParallel(model)
-        start_iter = config.sparse_kwargs()["start_iter"]
-        hook_state, hook_stats = register_hook(
-            ddp,
-            hook,
-            density=config.density,
-            powersgd_rank=config.powersgd_rank,
-            start_iter=start_iter,
-            seed=config.seed,
-        )
-        if hook != "sparse":  # torch's hooks call torch.distributed directly: count them in the backward pass
-            stats_of_hook = hook_stats
-            counting = lambda: count_torch_collectives(stats_of_hook, world_size)  # noqa: E731
-        net = ddp
+    sync = _GradSync(config, model, optimizer, world_size)
     records: list[StepRecord] = []
     evals = [EvalRecord(step=0, val_loss=_evaluate(model, optimizer, task, config, rank))]
-    logger.info("rank %d: %d parameters, %s, optimizer %s", rank, numel, about["corpus"]["name"], config.optimizer)
+    logger.info("rank %d: %d parameters, %s, optimizer %s", rank, sync.numel, about["corpus"]["name"], config.optimizer)
     t_train = time.perf_counter()
     try:
         for step in range(1, config.steps + 1):
-            ops0 = stats.as_dict()
-            hook0 = hook_stats.as_dict() if hook_stats is not None else {}
-            t0 = time.perf_counter()
-            with counting():
-                loss = train_step(net, optimizer, task, config, step, rank)
+            ops0, hook0, t0 = stats.as_dict(), sync.hook_ops(), time.perf_counter()
+            with sync.counting():
+                loss = train_step(sync.net, optimizer, task, config, step, rank)
             lr = optimizer.param_groups[0]["lr"]
-            comm_time: float | None
-            if sharded:
-                train_loss = _average_loss(loss_buf, loss, step)
-                t_comm = time.perf_counter()
-                optimizer.step()
-                comm_time = time.perf_counter() - t_comm
-                last = getattr(optimizer, "last_grad_norm", None)
-                grad_norm = None if last is None else float(last)
-            elif hook is not None:  # DDP's hook averaged the gradients during the backward pass
-                train_loss = _average_loss(loss_buf, loss, step)
-                grad_norm, comm_time = _clip_and_step(config, params, optimizer), None
-            else:
-                train_loss, grad_norm, comm_time = _allreduce_step(config, params, bucket, loss, optimizer)
+            train_loss, grad_norm, comm_time = sync.step(loss, step)
             ops = op_delta(ops0, stats.as_dict())
-            if hook_stats is not None:
-                for op, d in op_delta(hook0, hook_stats.as_dict()).items():
-                    ops[op] = {k: v + ops.get(op, {}).get(k, 0) for k, v in d.items()}
-            sparse = _sparse_step(optimizer, step)
-            if sparse is None and hook is not None:
-                sparse = step > start_iter
+            for op, d in op_delta(hook0, sync.hook_ops()).items():
+                ops[op] = {k: v + ops.get(op, {}).get(k, 0) for k, v in d.items()}
             record = StepRecord(
                 step=step,
                 lr=lr,
@@ -234,7 +270,7 @@ def train_worker(config: TrainConfig, rank: int, world_size: int, on_step: OnSte
                 bytes_sent=sum(d["bytes_sent"] for d in ops.values()),
                 bytes_received=sum(d["bytes_received"] for d in ops.values()),
                 bytes_sent_by_op={op: d["bytes_sent"] for op, d in ops.items()},
-                sparse=sparse,
+                sparse=sync.sparse(step),
             )
             records.append(record)
             val_loss = None
@@ -246,25 +282,16 @@ def train_worker(config: TrainConfig, rank: int, world_size: int, on_step: OnSte
         if capabilities(optimizer).replicas_drift:
             cast(AveragingOptimizer, optimizer).average_params()  # every rank ends with the same model
     finally:
-        close = getattr(optimizer, "close", None)
-        if close is not None:
-            close()  # finish the mask gathers or the averaging in flight before the group goes
-        close_hook(hook_state)
+        sync.close()
     train_time = time.perf_counter() - t_train
-    if sharded:
-        bucket_bytes = optimizer.bucket.numel * 4  # type: ignore[attr-defined]
-    elif bucketed:
-        bucket_bytes = bucket.numel() * bucket.element_size()
-    else:
-        bucket_bytes = numel * 4  # the dense fp32 gradient the hook compresses
     return TrainResult(
         steps=tuple(records),
         evals=tuple(evals),
         model=about["model"],
         task={"task": about["task"], "arch": about["arch"]},
-        num_parameters=numel,
+        num_parameters=sync.numel,
         optimizer=config.optimizer_config(),
-        bucket_bytes=bucket_bytes,
+        bucket_bytes=sync.bucket_bytes(),
         corpus=about["corpus"],
         comm_stats=stats.as_dict(),
         train_time_s=train_time,
