@@ -7,7 +7,7 @@ synchronizing the current stream), else through a host copy. float16/bfloat16
 reduce in a float32 copy; ``bool`` reduces as ``uint8`` with gloo's meaning
 (SUM/MAX: or, PRODUCT/MIN: and).
 
-Every operation is non-blocking; :class:`_MPIWork` polls ``Request.Test()``
+Every operation is non-blocking; :class:`MPIWork` polls ``Request.Test()``
 until done or the deadline, so no wait outlives its timeout. On Open MPI,
 :class:`_NbcTuning` gives large all-reduces libnbc's fast schedule.
 """
@@ -32,7 +32,7 @@ from bindings.communicator import BaseCommunicator
 from bindings.errors import CommError, CommTimeoutError, PeerFailureError
 from bindings.ops import ReduceOp
 
-__all__ = ["MPICommunicator", "cuda_aware"]
+__all__ = ["MPICommunicator", "MPIWork", "cuda_aware", "import_mpi", "translate_mpi_error"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ _BOOL_OPS = {
 }
 
 
-def _mpi() -> Any:
+def import_mpi() -> Any:
     """Import ``mpi4py.MPI`` (which initializes MPI) or say how to install it."""
     try:
         from mpi4py import MPI
@@ -81,7 +81,7 @@ def cuda_aware() -> bool:
     env = os.environ.get("SPARSECOMM_MPI_CUDA_AWARE")
     if env is not None:
         return env.strip().lower() in ("1", "true", "yes", "on")
-    MPI = _mpi()
+    MPI = import_mpi()
     query = getattr(MPI, "Query_cuda_support", None)
     if query is not None:
         return bool(query())
@@ -153,7 +153,7 @@ _NBC: _NbcTuning | None = None
 _ABANDONED: list[tuple[Any, Any]] = []  # requests never completed, kept alive with their buffers
 
 
-def _translate(MPI: Any, op_name: str, exc: BaseException) -> CommError:
+def translate_mpi_error(MPI: Any, op_name: str, exc: BaseException) -> CommError:
     """Map an ``MPI.Exception`` to the ``CommError`` family (ULFM classes: peer failure)."""
     try:
         cls = exc.Get_error_class()  # type: ignore[attr-defined]
@@ -180,7 +180,7 @@ class _DeviceBuffer:
         self._t = t  # keeps the memory alive
 
 
-class _MPIWork:
+class MPIWork:
     """Raw work over one ``MPI.Request``; polls ``Test()`` against a deadline.
 
     Args:
@@ -223,7 +223,7 @@ class _MPIWork:
             try:
                 self._done = bool(self._req.Test(self.status))
             except self._MPI.Exception as exc:
-                self._error, self._done = _translate(self._MPI, self._op_name, exc), True
+                self._error, self._done = translate_mpi_error(self._MPI, self._op_name, exc), True
         return self._done
 
     def wait(self, timeout_s: float | None) -> None:
@@ -256,7 +256,7 @@ class _MPIWork:
                     elif self._share_cpu:
                         os.sched_yield()
             except self._MPI.Exception as exc:
-                self._error = _translate(self._MPI, self._op_name, exc)
+                self._error = translate_mpi_error(self._MPI, self._op_name, exc)
             self._done = True
         self._keep = None
         if self._error is not None:
@@ -285,14 +285,14 @@ class MPICommunicator(BaseCommunicator):
     native_avg = False
 
     def __init__(self, comm: Any = None, *, timeout: timedelta, check_collectives: bool = False) -> None:
-        MPI = _mpi()
+        MPI = import_mpi()
         base = MPI.COMM_WORLD if comm is None else comm
         if not isinstance(base, MPI.Intracomm) or base == MPI.COMM_NULL:
             raise TypeError(f"comm: expected an mpi4py Intracomm, got {base!r}")
         try:
             dup = base.Dup()
         except MPI.Exception as exc:
-            raise _translate(MPI, "MPICommunicator", exc) from exc
+            raise translate_mpi_error(MPI, "MPICommunicator", exc) from exc
         self._setup(MPI, dup, timeout, check_collectives)
 
     @classmethod
@@ -385,12 +385,12 @@ class MPICommunicator(BaseCommunicator):
         keep: tuple[Any, ...],
         finish: Callable[[], None] | None = None,
         status: Any = None,
-    ) -> _MPIWork:
+    ) -> MPIWork:
         try:
             req = fn(*args)
         except self._MPI.Exception as exc:
-            raise _translate(self._MPI, op_name, exc) from exc
-        return _MPIWork(self._MPI, op_name, req, (keep, args), finish, status, self._share_cpu)
+            raise translate_mpi_error(self._MPI, op_name, exc) from exc
+        return MPIWork(self._MPI, op_name, req, (keep, args), finish, status, self._share_cpu)
 
     def _reduce_op(self, op: ReduceOp, dtype: torch.dtype) -> Any:
         return self._ops[_BOOL_OPS.get(op, op) if dtype == torch.bool else op]
@@ -452,7 +452,7 @@ class MPICommunicator(BaseCommunicator):
         try:  # blocking: MPI has no non-blocking split
             new = self._comm.Split(0 if member else MPI.UNDEFINED, members.index(self.rank) if member else 0)
         except MPI.Exception as exc:
-            raise _translate(MPI, "split", exc) from exc
+            raise translate_mpi_error(MPI, "split", exc) from exc
         if new == MPI.COMM_NULL:
             return None
         return MPICommunicator._adopt(MPI, new, self.timeout, self.check_collectives)
@@ -472,4 +472,4 @@ class MPICommunicator(BaseCommunicator):
         try:
             self._comm.Free()
         except self._MPI.Exception as exc:
-            raise _translate(self._MPI, "close", exc) from exc
+            raise translate_mpi_error(self._MPI, "close", exc) from exc

@@ -25,7 +25,7 @@ from datetime import timedelta
 from typing import Any
 
 from bindings.errors import CommError
-from bindings.mpi_backend import MPICommunicator, _mpi, _MPIWork, _translate
+from bindings.mpi_backend import MPICommunicator, MPIWork, import_mpi, translate_mpi_error
 
 __all__ = ["FtComm", "ulfm_support"]
 
@@ -42,7 +42,7 @@ def ulfm_support() -> str | None:
     ``OMPI_MCA_mpi_ft_enable``); ``$SPARSECOMM_ULFM=1`` skips the last check.
     """
     try:
-        MPI = _mpi()
+        MPI = import_mpi()
     except ImportError as exc:
         return str(exc)
     missing = [n for n in _ULFM_CALLS if not hasattr(MPI.Comm, n)]
@@ -75,12 +75,12 @@ class FtComm:
     @classmethod
     def world(cls) -> FtComm:
         """A private duplicate of ``COMM_WORLD`` (the job's universe: actives and spares)."""
-        MPI = _mpi()
+        MPI = import_mpi()
         MPI.COMM_WORLD.Set_errhandler(MPI.ERRORS_RETURN)
         try:
             dup = MPI.COMM_WORLD.Dup()
         except MPI.Exception as exc:
-            raise _translate(MPI, "world", exc) from exc
+            raise translate_mpi_error(MPI, "world", exc) from exc
         return cls(MPI, dup)
 
     @classmethod
@@ -88,8 +88,8 @@ class FtComm:
         """A non-owning handle on an :class:`MPICommunicator`'s communicator."""
         return cls(comm._MPI, comm.mpi_comm, owned=False)
 
-    def _work(self, op: str, req: Any, keep: tuple[Any, ...] = ()) -> _MPIWork:
-        return _MPIWork(self._MPI, op, req, keep)
+    def _work(self, op: str, req: Any, keep: tuple[Any, ...] = ()) -> MPIWork:
+        return MPIWork(self._MPI, op, req, keep)
 
     # ------------------------------------------------------------------ ULFM
     def revoke(self) -> None:
@@ -121,7 +121,7 @@ class FtComm:
         try:
             new = self._comm.Shrink()
         except MPI.Exception as exc:
-            raise _translate(MPI, "shrink", exc) from exc
+            raise translate_mpi_error(MPI, "shrink", exc) from exc
         return FtComm(MPI, new)
 
     def agree(self, flag: int, timeout_s: float) -> int:
@@ -137,7 +137,7 @@ class FtComm:
         try:
             req = self._comm.Iagree(buf)  # a C int buffer
         except MPI.Exception as exc:
-            raise _translate(MPI, "agree", exc) from exc
+            raise translate_mpi_error(MPI, "agree", exc) from exc
         self._work("agree", req, (buf,)).wait(timeout_s)
         return int(buf[0])
 
@@ -150,17 +150,17 @@ class FtComm:
         try:
             req = self._comm.Iallgather([send, MPI.INT64_T], [recv, MPI.INT64_T])
         except MPI.Exception as exc:
-            raise _translate(MPI, "allgather", exc) from exc
+            raise translate_mpi_error(MPI, "allgather", exc) from exc
         self._work("allgather", req, (send, recv)).wait(timeout_s)
         return [list(recv[i * n : (i + 1) * n]) for i in range(self.size)]
 
-    def ibarrier(self) -> _MPIWork:
+    def ibarrier(self) -> MPIWork:
         """Post a non-blocking barrier; its work fails with ``PeerFailureError`` on revoke."""
         MPI = self._MPI
         try:
             req = self._comm.Ibarrier()
         except MPI.Exception as exc:
-            raise _translate(MPI, "barrier", exc) from exc
+            raise translate_mpi_error(MPI, "barrier", exc) from exc
         return self._work("barrier", req)
 
     def split(self, color: int | None, key: int) -> FtComm | None:
@@ -169,7 +169,7 @@ class FtComm:
         try:
             new = self._comm.Split(MPI.UNDEFINED if color is None else color, key)
         except MPI.Exception as exc:
-            raise _translate(MPI, "split", exc) from exc
+            raise translate_mpi_error(MPI, "split", exc) from exc
         return None if new == MPI.COMM_NULL else FtComm(MPI, new)
 
     def failed_ranks(self) -> frozenset[int]:

@@ -26,7 +26,7 @@ from typing import Protocol
 
 from bindings.validate import check_choice, check_int
 from resilient_comm.errors import MembershipError
-from resilient_comm.view import MODES, _Slots
+from resilient_comm.view import MODES, SlotOrder
 
 __all__ = ["EpochPlan", "QuorumRule", "majority", "plan_next_epoch", "PLAN_MODES"]
 
@@ -48,7 +48,7 @@ def majority(survivors: int, world_size: int) -> str | None:
 
 
 @dataclass(frozen=True, kw_only=True)
-class EpochPlan(_Slots):
+class EpochPlan(SlotOrder):
     """The next epoch: who holds which slot and how it differs from the current one.
 
     Attributes:

@@ -13,7 +13,7 @@ from typing import Any
 from bindings.json_object import JsonObject
 from bindings.validate import check_int
 
-__all__ = ["View", "MemberInfo", "decode_json", "MODES", "ROLES"]
+__all__ = ["View", "MemberInfo", "SlotOrder", "decode_json", "MODES", "ROLES"]
 
 #: Reconfiguration modes: ``hotswap`` fills a dead slot with a spare (falling
 #: back to shrink when no spare is left); ``shrink`` always drops the slot.
@@ -37,7 +37,7 @@ def _int(obj: JsonObject, key: str, what: str, lo: int = 0) -> int:
     return check_int(f"{what} field {key!r}", obj.get(key), low=lo)
 
 
-class _Slots:
+class SlotOrder:
     """``world_size`` and ``slot_of`` of a membership that lists its ``members`` in slot order."""
 
     members: tuple[int, ...]
@@ -105,7 +105,7 @@ class MemberInfo:
 
 
 @dataclass(frozen=True, kw_only=True)
-class View(_Slots):
+class View(SlotOrder):
     """One epoch's membership: who holds which slot (slot = rank in the epoch).
 
     Attributes:

@@ -32,12 +32,12 @@ import torch
 
 from bindings import ChainedWork, Work
 from bindings.torch_backend import TorchReduceOp
+from bindings.validate import check_int
 from sparsecomm import collectives as _sparse
 from sparsecomm.groups import (
     Group,
     GroupMember,
     ProcessGroupStateError,
-    _int_rank,
     destroy_process_group,
     get_backend,
     get_communicator,
@@ -109,7 +109,7 @@ def _group_peer(
     if rank is not None and group_rank is not None:
         raise ValueError(f"{name}: pass either {name} or {group_name}, not both")
     if group_rank is not None:
-        _int_rank(group_name, group_rank)
+        check_int(group_name, group_rank)
         if not 0 <= group_rank < g.size():
             raise ValueError(f"{group_name}: {group_rank} is out of range for group size {g.size()}")
         return group_rank
@@ -117,7 +117,7 @@ def _group_peer(
         if required:
             raise ValueError(f"{name}: either {name} or {group_name} must be specified")
         return None
-    _int_rank(name, rank)
+    check_int(name, rank)
     try:
         return g.global_ranks.index(rank)
     except ValueError:

@@ -310,7 +310,7 @@ def get_global_rank(group: Group | None, group_rank: int) -> int:
     g = resolve(group)
     if g is None:
         raise ValueError("group: this rank is not a member of the group")
-    _int_rank("group_rank", group_rank)
+    check_int("group_rank", group_rank)
     if not 0 <= group_rank < g.size():
         raise ValueError(f"group_rank: {group_rank} is out of range for group size {g.size()}")
     return g.global_ranks[group_rank]
@@ -321,7 +321,7 @@ def get_group_rank(group: Group | None, global_rank: int) -> int:
     g = resolve(group)
     if g is None:
         raise ValueError("group: this rank is not a member of the group")
-    _int_rank("global_rank", global_rank)
+    check_int("global_rank", global_rank)
     try:
         return g.global_ranks.index(global_rank)
     except ValueError:
@@ -383,7 +383,3 @@ def new_group(
     with _state.lock:
         _state.groups.append(g)
     return g
-
-
-def _int_rank(name: str, value: Any) -> None:
-    check_int(name, value)

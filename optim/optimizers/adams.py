@@ -41,6 +41,7 @@ __all__ = [
     "bias_correction_factor",
     "debiased_adams_step_",
     "step_bound",
+    "validate_group",
 ]
 
 
@@ -157,7 +158,7 @@ def _check(name: str, ok: bool, value: Any, rule: str) -> None:
         raise ValueError(f"Invalid {name}: {value!r} (must satisfy {rule})")
 
 
-def _validate_group(group: ParamGroup) -> None:
+def validate_group(group: ParamGroup) -> None:
     lr, eps, wd, betas = group["lr"], group["eps"], group["weight_decay"], group["betas"]
     _check("lr", lr >= 0.0, lr, "lr >= 0")
     _check("betas", len(betas) == 2, betas, "a pair (beta1, beta2)")
@@ -215,13 +216,13 @@ class AdamS(Optimizer):
             foreach=foreach,
             wd_min_ndim=wd_min_ndim,
         )
-        _validate_group(defaults)
+        validate_group(defaults)
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: ParamGroup) -> None:
         """Add a group (see :meth:`torch.optim.Optimizer.add_param_group`) and validate it."""
         super().add_param_group(param_group)
-        _validate_group(self.param_groups[-1])
+        validate_group(self.param_groups[-1])
 
     def __setstate__(self, state: StateDict) -> None:
         super().__setstate__(state)

@@ -25,13 +25,14 @@ import hashlib
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from optim.optimizers.capabilities import ParamGroup
 
-__all__ = ["FlatBucket", "Segment"]
+__all__ = ["FlatBucket", "OnFlatBucket", "Segment"]
 
 
 @dataclass(frozen=True)
@@ -303,3 +304,20 @@ class FlatBucket:
         h.update(str(self.dtype).encode())
         h.update(extra.encode())
         return int.from_bytes(h.digest(), "little") >> 2
+
+
+class OnFlatBucket:
+    """The :attr:`bucket` and :attr:`communicator` of an optimizer that keeps its parameters in a flat bucket."""
+
+    _bucket: FlatBucket
+    _comm: Any
+
+    @property
+    def bucket(self) -> FlatBucket:
+        """The flat layout of the parameters."""
+        return self._bucket
+
+    @property
+    def communicator(self) -> Any:
+        """The communicator the optimizer synchronizes over."""
+        return self._comm

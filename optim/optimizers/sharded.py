@@ -37,8 +37,8 @@ from torch.optim.optimizer import ParamsT, StateDict
 import sparsecomm.distributed as dist
 from bindings import ReduceOp
 from bindings.validate import check_float
-from optim.optimizers.adams import _validate_group, adams_step_
-from optim.optimizers.buckets import FlatBucket, Segment
+from optim.optimizers.adams import adams_step_, validate_group
+from optim.optimizers.buckets import FlatBucket, OnFlatBucket, Segment
 from optim.optimizers.capabilities import OptimizerCapabilities, ParamGroup, StateLayout
 from optim.optimizers.param_watch import ParamWatch
 
@@ -47,24 +47,7 @@ __all__ = ["ShardedAdamS", "ShardedAdamW"]
 logger = logging.getLogger(__name__)
 
 
-class _OverBucket:
-    """The :attr:`bucket` and :attr:`communicator` of an optimizer that keeps its parameters in a flat bucket."""
-
-    _bucket: FlatBucket
-    _comm: Any
-
-    @property
-    def bucket(self) -> FlatBucket:
-        """The flat layout of the parameters."""
-        return self._bucket
-
-    @property
-    def communicator(self) -> Any:
-        """The communicator the optimizer synchronizes over."""
-        return self._comm
-
-
-class _ShardedOptimizer(_OverBucket, Optimizer):
+class _ShardedOptimizer(OnFlatBucket, Optimizer):
     """Shared ZeRO-1 machinery; subclasses define the per-segment update.
 
     fp32 parameters become views of one flat buffer at construction (values
@@ -131,7 +114,7 @@ class _ShardedOptimizer(_OverBucket, Optimizer):
         if not getattr(self, "_building", False):
             raise RuntimeError(f"{type(self).__name__}: param groups cannot be added after construction")
         super().add_param_group(param_group)
-        _validate_group(self.param_groups[-1])
+        validate_group(self.param_groups[-1])
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -501,7 +484,7 @@ def _adams_defaults(
         bias_correction=bias_correction,
         wd_min_ndim=wd_min_ndim,
     )
-    _validate_group(d)
+    validate_group(d)
     return d
 
 

@@ -25,10 +25,10 @@ from torch.optim import Optimizer
 import sparsecomm.distributed as dist
 from bindings import ReduceOp
 from bindings.validate import check_float
-from optim.optimizers.buckets import FlatBucket
+from optim.optimizers.buckets import FlatBucket, OnFlatBucket
 from optim.optimizers.capabilities import OptimizerCapabilities, ParamGroup, StateLayout, capabilities
 from optim.optimizers.noise import MeanNorm
-from optim.optimizers.sharded import _OverBucket, agree
+from optim.optimizers.sharded import agree
 
 __all__ = ["WrappingOptimizer", "average_grads", "check_inner"]
 
@@ -112,7 +112,7 @@ class _Wrapped:
             setattr(inner, self.name, value)
 
 
-class WrappingOptimizer(_OverBucket, Optimizer):
+class WrappingOptimizer(OnFlatBucket, Optimizer):
     """Wrap ``optimizer`` so that every rank steps its own replica of ``model`` (a base class).
 
     Subclasses check and resolve their own settings in :meth:`_check_settings`

@@ -138,3 +138,19 @@ def test_every_untyped_dict_says_what_it_is() -> None:
                 if isinstance(node, ast.Subscript) and ast.unparse(node).replace(" ", "") == "dict[str,Any]":
                     bare.append(f"{rel}:{node.lineno}")
     assert not bare, f"bare dict[str, Any] at {bare}"
+
+
+def test_no_module_imports_a_private_name_of_another() -> None:
+    """``from our.module import _name`` reaches into another module's insides: what is shared is public."""
+    bad = []
+    for package in FORBIDDEN:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+                if not isinstance(node, ast.ImportFrom) or node.level or not node.module:
+                    continue
+                if node.module.split(".")[0] not in FORBIDDEN:
+                    continue
+                bad += [
+                    f"{path.relative_to(ROOT)}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_")
+                ]
+    assert not bad, bad

@@ -43,7 +43,7 @@ from bindings.validate import check_choice, check_int
 from optim.apps.paths import pythonpath_env
 from optim.apps.train_job.job_config import OUTER_LOOPS, TORCH_ADAMW, TrainConfig, build_optimizer
 from optim.apps.train_job.tasks import make_task
-from optim.apps.train_job.train import _evaluate, train_step
+from optim.apps.train_job.train import evaluate, train_step
 from optim.resilient import ResilientConfig, ResilientTraining
 from optim.state.snapshot import UnrecoverableStateError
 from resilient_comm.events import ProcessEvents, read_event_dir
@@ -186,7 +186,7 @@ def _run_worker(config: TrainConfig, res: ResilienceConfig, out: Path, log: Proc
                     _kill_once(out, ft.rank, step)
                 ft.optimizer_step(loss)  # a step with a NaN or Inf anywhere is skipped (ft.skipped)
                 if step == config.steps or (config.eval_interval and step % config.eval_interval == 0):
-                    evals[step] = _evaluate(model, ft.optimizer, task, config, ft.rank)
+                    evals[step] = evaluate(model, ft.optimizer, task, config, ft.rank)
         member = ft.is_member
         rank, world_size, epoch = (ft.rank, ft.world_size, ft.comm.epoch) if member else (-1, 0, -1)
         ft.finish()

@@ -61,6 +61,8 @@ from optim.optimizers.capabilities import AveragingOptimizer, capabilities
 __all__ = [
     "OnStep",
     "Worker",
+    "evaluate",
+    "train_step",
     "train_worker",
     "joined_group",
     "launch_local",
@@ -88,7 +90,7 @@ def _check_identical_init(model: torch.nn.Module) -> None:
         raise RuntimeError("model initialisation differs between ranks")
 
 
-def _evaluate(
+def evaluate(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, task: Task, config: TrainConfig, rank: int
 ) -> float:
     """Return the rank-averaged loss on this rank's fixed validation batches.
@@ -247,7 +249,7 @@ def train_worker(config: TrainConfig, rank: int, world_size: int, on_step: OnSte
         optimizer = build_optimizer(config, model)
     sync = _GradSync(config, model, optimizer, world_size)
     records: list[StepRecord] = []
-    evals = [EvalRecord(step=0, val_loss=_evaluate(model, optimizer, task, config, rank))]
+    evals = [EvalRecord(step=0, val_loss=evaluate(model, optimizer, task, config, rank))]
     logger.info("rank %d: %d parameters, %s, optimizer %s", rank, sync.numel, about["corpus"]["name"], config.optimizer)
     t_train = time.perf_counter()
     try:
@@ -275,7 +277,7 @@ def train_worker(config: TrainConfig, rank: int, world_size: int, on_step: OnSte
             records.append(record)
             val_loss = None
             if step == config.steps or (config.eval_interval and step % config.eval_interval == 0):
-                val_loss = _evaluate(model, optimizer, task, config, rank)
+                val_loss = evaluate(model, optimizer, task, config, rank)
                 evals.append(EvalRecord(step=step, val_loss=val_loss))
             if on_step is not None:
                 on_step(record, val_loss)
