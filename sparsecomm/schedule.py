@@ -288,6 +288,18 @@ class MaskSchedule:
             del self._ready[old]
         for old in [s for s in self._decoding if s < step]:
             self._decoding.pop(old).mask.exception()
+        return self._ready_mask(step)
+
+    def masks_from(self, step: int, count: int) -> dict[int, ShardedMask]:
+        """The masks of steps ``step .. step + count - 1`` that were made, waiting for their gathers; none dropped.
+
+        For saving the schedule: the steps keep their masks for :meth:`mask_for`.
+        """
+        masks = {s: self._ready_mask(s) for s in range(step, step + count)}
+        return {s: m for s, m in masks.items() if m is not None}
+
+    def _ready_mask(self, step: int) -> ShardedMask | None:
+        """The mask of ``step``, waited for and kept ready (``None``: none was made)."""
         if step in self._ready:
             return self._ready[step]
         if step in self._building:

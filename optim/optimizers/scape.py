@@ -301,25 +301,14 @@ class SCAPE(ShardedAdamS):
         b = self.bucket
         return self.mask_delay * b.world_size * k_for(b.numel, b.world_size, self.density) * 8
 
-    def _held_masks(self, count: int) -> dict[int, ShardedMask]:
-        """The masks of steps ``step .. step + count - 1`` there are (waiting for gathers in flight), kept."""
-        masks: dict[int, ShardedMask] = {}
-        if self._sched is not None:
-            for s in range(self._step, self._step + count):
-                m = self._sched.mask_for(s)
-                if m is not None:
-                    masks[s] = m
-            for s, m in masks.items():  # mask_for dropped the earlier ones: put them back
-                self._sched.install(s, m)
-        return masks
-
     # ------------------------------------------------------------------ state
     def _extra_state(self, *, live: bool) -> StateDict:
         # A state dict holds every mask of steps step .. step + D, waiting for the newest gather. A snapshot
         # (live tensors) holds the masks of the next D steps, proposed before the last step (their gathers
         # had a step to finish); the newest one (step + D) is re-made on restore from the restored first
         # moment, bit for bit.
-        masks = self._held_masks(self.mask_delay if live else self.mask_delay + 1)
+        count = self.mask_delay if live else self.mask_delay + 1
+        masks = {} if self._sched is None else self._sched.masks_from(self._step, count)
         residual = self._residual if live or self._residual is None else self._residual.clone()
         return {"masks": {s: m.indices if live else m.indices.clone() for s, m in masks.items()}, "residual": residual}
 
