@@ -19,7 +19,8 @@ Each rank gets back what the encoding of its own values dropped (its
 *error*); a caller that adds it to its next input (error feedback) loses
 nothing in the long run. Wire bytes per rank: ``2 * (world_size - 1)`` encoded
 chunks, the same as a reduce-scatter plus an all-gather of values of
-:meth:`Quantizer.bits_per_value` bits.
+:meth:`Quantizer.bits_per_value` bits (each direction in its own codes where
+the averages get a ``gather_quantizer``).
 """
 
 from __future__ import annotations
@@ -233,7 +234,12 @@ def _exchange(comm: Communicator, outgoing: Callable[[int], torch.Tensor], got: 
 
 
 def quantized_all_reduce(
-    comm: Communicator, values: torch.Tensor, quantizer: Quantizer, *, residual: torch.Tensor | None = None
+    comm: Communicator,
+    values: torch.Tensor,
+    quantizer: Quantizer,
+    *,
+    residual: torch.Tensor | None = None,
+    gather_quantizer: Quantizer | None = None,
 ) -> torch.Tensor:
     """Average ``values`` across ranks in ``quantizer``'s codes, in place; return this rank's encoding error.
 
@@ -249,10 +255,16 @@ def quantized_all_reduce(
         values: ``world_size * c`` float32 values; chunk ``r`` (elements
             ``[r * c, (r + 1) * c)``) is averaged by rank ``r``. On return they
             hold the average as every rank decodes it (the same everywhere).
-        quantizer: The encoding of both directions.
+        quantizer: The encoding of the values every rank sends to the owners,
+            and of the averages too unless ``gather_quantizer`` is given.
         residual: This rank's ``c`` float32 values of error feedback for its
             own chunk: added to the average before it is encoded, and left
             holding what that encoding dropped. ``None``: what it drops is lost.
+        gather_quantizer: The encoding of the averages the owners send to
+            every rank (``None``: ``quantizer``). The ranks' codes are
+            averaged, which shrinks their error; the average's codes are what
+            every rank decodes, so a wider code counts more there for the
+            same bytes (:class:`optim.CodedGradients`).
 
     Returns:
         ``values`` as given minus what this rank contributed (its own encoding
@@ -264,8 +276,12 @@ def quantized_all_reduce(
             ``values`` and ``residual`` are then left as they were.
     """
     chunk = _check(comm, values, quantizer, residual)
+    if gather_quantizer is None:
+        gather_quantizer = quantizer
+    elif not isinstance(gather_quantizer, Quantizer):
+        raise TypeError(f"gather_quantizer: expected a Quantizer or None, got {type(gather_quantizer).__name__}")
     ws, rank = comm.world_size, comm.rank
-    nbytes = quantizer.encoded_bytes(chunk)
+    nbytes, gbytes = quantizer.encoded_bytes(chunk), gather_quantizer.encoded_bytes(chunk)
     sent = torch.empty(ws, nbytes, dtype=torch.uint8, device=values.device)
     error = torch.empty_like(values)  # first what this rank's codes decode to
     for r in range(ws):
@@ -283,13 +299,14 @@ def quantized_all_reduce(
         avg /= ws
         if residual is not None:
             avg += residual
-        own, decoded = quantizer.encode(avg, decoded=contribution)
-        gathered = torch.empty(ws * nbytes, dtype=torch.uint8, device=values.device)
-        gathered.view(ws, nbytes)[rank] = own
-        _exchange(comm, lambda r: own, gathered.view(ws, nbytes), QUANTIZED_TAG + 1)
+        own, decoded = gather_quantizer.encode(avg, decoded=contribution)
+        gathered = torch.empty(ws * gbytes, dtype=torch.uint8, device=values.device)
+        gathered.view(ws, gbytes)[rank] = own
+        _exchange(comm, lambda r: own, gathered.view(ws, gbytes), QUANTIZED_TAG + 1)
     # written only once every transfer finished: a failed call leaves values and residual as they were
     if residual is not None:
         torch.sub(avg, decoded, out=residual)
     for r in range(ws):
-        quantizer.decode(gathered[r * nbytes : (r + 1) * nbytes], chunk, out=values[r * chunk : (r + 1) * chunk])
+        piece = gathered[r * gbytes : (r + 1) * gbytes]
+        gather_quantizer.decode(piece, chunk, out=values[r * chunk : (r + 1) * chunk])
     return error

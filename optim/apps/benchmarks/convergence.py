@@ -54,7 +54,7 @@ DEFAULT_DENSITIES = (0.1, 0.01, 0.001)
 TARGETS = {0.1: 1.02, 0.01: 1.05}
 """Largest acceptable ratio of SCAPE's final validation loss to dense AdamS's, per density."""
 
-ADAMW_BASED = ("local-adamw", "diloco-adamw", "sparseloco-adamw", "maskedloco-adamw")
+ADAMW_BASED = ("local-adamw", "diloco-adamw", "sparseloco-adamw", "maskedloco-adamw", "coded-adamw")
 """Optimizer choices whose dense reference is AdamW (averaged gradients, same schedule), not AdamS."""
 
 ADAMW_TARGETS = {0.1: 1.03, 0.01: 1.06}
@@ -96,6 +96,7 @@ METHODS = (
     "diloco",
     "sparseloco",
     "maskedloco",
+    "coded",
 )
 """Sparse methods a convergence run can compare, each at every density: SCAPE; LocalAdamS with its defaults (``local``:
 staggered window of changes in the codes of :func:`optim.optimizers.local.auto_wire_bits`, ``window_order="auto"``,
@@ -263,6 +264,7 @@ _METHOD_OVERRIDES: dict[str, JsonObject] = {
     "diloco": {"optimizer": "diloco-adamw"},
     "sparseloco": {"optimizer": "sparseloco-adamw"},
     "maskedloco": {"optimizer": "maskedloco-adamw"},
+    "coded": {"optimizer": "coded-adamw"},
 }
 
 

@@ -13,6 +13,7 @@ from bindings.validate import check_bool, check_density
 from optim.apps.train_job.data import DEFAULT_MAX_BYTES
 from optim.apps.train_job.model import GPTConfig
 from optim.apps.train_job.tasks import TaskSpec, check_choices
+from optim.optimizers.coded_gradients import CodedGradients
 from optim.optimizers.diloco import DiLoCo, diloco_period
 from optim.optimizers.local import LOCAL_SCHEDULES, NORMALIZERS, WINDOW_ORDERS, LocalAdamS
 from optim.optimizers.local_optimizer import NOISE, LocalOptimizer
@@ -47,6 +48,7 @@ OPTIMIZERS = (
     "diloco-adamw",
     "sparseloco-adamw",
     "maskedloco-adamw",
+    "coded-adamw",
 )
 """Choices of ``TrainConfig.optimizer``: ShardedAdamW, ShardedAdamS, SCAPE, LocalAdamS,
 :class:`torch.optim.AdamW` wrapped by :class:`optim.LocalOptimizer` (``local-adamw``), TopKAdamS,
@@ -65,13 +67,15 @@ SPARSE_OPTIMIZERS = (
     "diloco-adamw",
     "sparseloco-adamw",
     "maskedloco-adamw",
+    "coded-adamw",
 )
 """The choices that take ``density`` and ``sparse_warmup_steps``."""
 
-OUTER_LOOPS: dict[str, type[DiLoCo] | type[SparseLoCo] | type[MaskedLoCo]] = {
+OUTER_LOOPS: dict[str, type[DiLoCo] | type[SparseLoCo] | type[MaskedLoCo] | type[CodedGradients]] = {
     "diloco-adamw": DiLoCo,
     "sparseloco-adamw": SparseLoCo,
     "maskedloco-adamw": MaskedLoCo,
+    "coded-adamw": CodedGradients,
 }
 """The choices that wrap :class:`torch.optim.AdamW` in an outer loop (:class:`optim.optimizers.outer.OuterLoop`)."""
 
@@ -245,7 +249,7 @@ class TrainConfig:
             return self.scape_kwargs()
         if self.optimizer == "diloco-adamw":  # one fp32 all_reduce every 1/density steps
             return {"period": diloco_period(self.density), "warmup_steps": self.sparse_warmup_steps}
-        if self.optimizer in ("sparseloco-adamw", "maskedloco-adamw"):  # period and k from the density
+        if self.optimizer in ("sparseloco-adamw", "maskedloco-adamw", "coded-adamw"):  # period and k from the density
             return {"density": self.density, "warmup_steps": self.sparse_warmup_steps}
         averaging = {  # LocalAdamS's and LocalOptimizer's averaging (optim.optimizers.averaging.Averaging)
             "density": self.density,
