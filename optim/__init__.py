@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from optim.optimizers.adams import AdamS, adams_step_, adams_step_foreach_, bias_correction_factor, step_bound
+from optim.optimizers.coded_gradients import CodedGradients
 from optim.optimizers.diloco import DiLoCo
 from optim.optimizers.local import LocalAdamS
 from optim.optimizers.local_optimizer import LocalOptimizer
@@ -14,6 +15,7 @@ from optim.optimizers.topk import TopKAdamS
 
 __all__ = [
     "AdamS",
+    "CodedGradients",
     "DiLoCo",
     "LocalAdamS",
     "LocalOptimizer",

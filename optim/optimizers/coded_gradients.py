@@ -165,6 +165,9 @@ class CodedGradients(WrappingOptimizer):
                 self._comm, g, self.quantizer, residual=self._own_residual, gather_quantizer=self.gather_quantizer
             )
         self._residual.copy_(error)
+        # the padding is no position of the model: what the codes made of its zeros is dropped, not carried
+        self._residual[b.numel :].zero_()
+        self._own_residual[max(0, b.numel - b.shard_lo) :].zero_()
         for i, (p, off) in enumerate(zip(b.params, b.offsets, strict=True)):
             avg = g[off : off + p.numel()].view(p.shape)
             if i in missing:
@@ -179,7 +182,10 @@ class CodedGradients(WrappingOptimizer):
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> StateDict:
-        """The wrapped optimizer's state dict, plus ``"coded"``: the step, this rank and both residuals."""
+        """The wrapped optimizer's state dict, plus ``"coded"``: the step, this rank and both residuals.
+
+        Holds live tensors (copy or save it before the next step).
+        """
         b = self._bucket
         coded: StateDict = {
             "step": self._step,
@@ -192,12 +198,31 @@ class CodedGradients(WrappingOptimizer):
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: StateDict) -> None:
-        """Load a :meth:`state_dict` of this model and settings. Local: no communication."""
+        """Load a :meth:`state_dict` saved under any world size (same model and settings).
+
+        Local: no communication. This rank's residual is the saved rank's; the
+        owner's residual is kept where this rank owned positions then and owns
+        now (zero elsewhere: under a new layout what the codes dropped there is lost).
+
+        Raises:
+            ValueError: Not a CodedGradients' state dict of this model.
+        """
         coded = state_dict.get("coded") if isinstance(state_dict, dict) else None
         if not isinstance(coded, dict):
             raise ValueError("state_dict: not a CodedGradients' (no 'coded' entry)")
-        step = coded.get("step")
-        if type(step) is not int or step < 0:
-            raise ValueError(f"state_dict: bad step {step!r}")
+        b = self._bucket
+        step, rank = coded.get("step"), coded.get("rank")
+        if type(step) is not int or step < 0 or type(rank) is not int or rank < 0:
+            raise ValueError(f"state_dict: bad step {step!r} or rank {rank!r}")
+        residual, own = coded.get("residual"), coded.get("own_residual")
+        for name, t in (("residual", residual), ("own_residual", own)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.float32:
+                raise ValueError(f"state_dict: {name} missing or not a flat float32 buffer")
+        assert isinstance(residual, torch.Tensor) and isinstance(own, torch.Tensor)
+        if residual.numel() < b.numel:
+            raise ValueError(f"state_dict: residual holds {residual.numel()} values, the model {b.numel}")
         self.optimizer.load_state_dict({k: v for k, v in state_dict.items() if k != "coded"})
+        self._residual.zero_()
+        self._residual[: b.numel].copy_(residual[: b.numel])
+        b.take_own(self._own_residual, own, rank)
         self._step = step

@@ -257,8 +257,8 @@ def test_export_state_dict_is_a_plain_torch_file(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("optimizer", "worlds"),
-    [("scape", (3, 8)), ("local-adams", (3,)), ("local-adamw", (3,))],
-    ids=["scape-4to3-4to8", "local-4to3", "local-adamw-4to3"],
+    [("scape", (3, 8)), ("local-adams", (3,)), ("local-adamw", (3,)), ("coded-adamw", (3,))],
+    ids=["scape-4to3-4to8", "local-4to3", "local-adamw-4to3", "coded-adamw-4to3"],
 )
 def test_resume_on_another_world_size_reshards(tmp_path: Path, optimizer: str, worlds: tuple[int, ...]) -> None:
     ckpt = tmp_path / "ckpt"

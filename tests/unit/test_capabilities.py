@@ -32,10 +32,12 @@ SHARDED = OptimizerCapabilities(layout=StateLayout.SHARDED, replicas_drift=False
 REPLICA = OptimizerCapabilities(layout=StateLayout.REPLICATED, replicas_drift=False, own_snapshots=True)
 LOCAL = OptimizerCapabilities(layout=StateLayout.REPLICATED, replicas_drift=True, own_snapshots=True)
 WRAPPED = OptimizerCapabilities(layout=StateLayout.REPLICATED, replicas_drift=True, own_snapshots=False)
+IN_STEP = OptimizerCapabilities(layout=StateLayout.REPLICATED, replicas_drift=False, own_snapshots=False)
 
 Build = Callable[[torch.nn.Module], torch.optim.Optimizer]
 EXPECTED: dict[str, tuple[Build, OptimizerCapabilities]] = {
     "AdamS": (lambda m: optim.AdamS(m.parameters()), PLAIN),
+    "CodedGradients": (lambda m: optim.CodedGradients(torch.optim.AdamW(m.parameters()), m), IN_STEP),
     "DiLoCo": (lambda m: optim.DiLoCo(torch.optim.AdamW(m.parameters()), m), WRAPPED),
     "LocalAdamS": (lambda m: optim.LocalAdamS(m.parameters()), LOCAL),
     "LocalOptimizer": (lambda m: optim.LocalOptimizer(torch.optim.AdamW(m.parameters()), m), WRAPPED),

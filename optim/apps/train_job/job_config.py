@@ -22,12 +22,14 @@ from optim.optimizers.scape import MASK_SCORES, SCAPE, UNSELECTED_POLICIES
 from optim.optimizers.sharded import ShardedAdamS, ShardedAdamW
 from optim.optimizers.sparseloco import SparseLoCo
 from optim.optimizers.topk import TopKAdamS
+from optim.optimizers.wrapping import WrappingOptimizer
 
 __all__ = [
     "DDP_HOOKS",
     "LOCAL_WIRES",
     "OPTIMIZERS",
     "OUTER_LOOPS",
+    "WRAPPED_ADAMW",
     "SPARSE_OPTIMIZERS",
     "TORCH_ADAMW",
     "TrainConfig",
@@ -53,7 +55,8 @@ OPTIMIZERS = (
 """Choices of ``TrainConfig.optimizer``: ShardedAdamW, ShardedAdamS, SCAPE, LocalAdamS,
 :class:`torch.optim.AdamW` wrapped by :class:`optim.LocalOptimizer` (``local-adamw``), TopKAdamS,
 :class:`torch.optim.AdamW` inside :class:`optim.DiLoCo`, :class:`optim.SparseLoCo` or :class:`optim.MaskedLoCo` at
-the density's bytes per step (``diloco-adamw``, ``sparseloco-adamw``, ``maskedloco-adamw``), and
+the density's bytes per step (``diloco-adamw``, ``sparseloco-adamw``, ``maskedloco-adamw``), inside
+:class:`optim.CodedGradients` (``coded-adamw``: the average gradient in codes of the density's bytes), and
 :class:`torch.optim.AdamW` with the gradients
 synchronized outside it: the original bucket all-reduce, or torch's DDP with the PowerSGD hook or sparsecomm's
 sparse hook."""
@@ -71,13 +74,19 @@ SPARSE_OPTIMIZERS = (
 )
 """The choices that take ``density`` and ``sparse_warmup_steps``."""
 
-OUTER_LOOPS: dict[str, type[DiLoCo] | type[SparseLoCo] | type[MaskedLoCo] | type[CodedGradients]] = {
+OUTER_LOOPS: dict[str, type[DiLoCo] | type[SparseLoCo] | type[MaskedLoCo]] = {
     "diloco-adamw": DiLoCo,
     "sparseloco-adamw": SparseLoCo,
     "maskedloco-adamw": MaskedLoCo,
-    "coded-adamw": CodedGradients,
 }
 """The choices that wrap :class:`torch.optim.AdamW` in an outer loop (:class:`optim.optimizers.outer.OuterLoop`)."""
+
+WRAPPED_ADAMW: dict[str, type[WrappingOptimizer]] = {
+    "local-adamw": LocalOptimizer,
+    "coded-adamw": CodedGradients,
+    **OUTER_LOOPS,
+}
+"""The choices that wrap :class:`torch.optim.AdamW` (:class:`optim.optimizers.wrapping.WrappingOptimizer`)."""
 
 DDP_HOOKS = {"ddp-powersgd-adamw": "powersgd", "ddp-sparse-adamw": "sparse"}
 """The choices that run the model under DDP, and their comm hook (:mod:`optim.apps.train_job.ddp`)."""
@@ -234,8 +243,8 @@ class TrainConfig:
         if self.optimizer in TORCH_ADAMW:
             out = {"name": self.optimizer, "class": "torch.optim.AdamW", "grad_clip": self.grad_clip, **common}
             return {**out, **self.sparse_kwargs()}
-        if self.optimizer == "local-adamw" or self.optimizer in OUTER_LOOPS:
-            wrapper = OUTER_LOOPS.get(self.optimizer, LocalOptimizer).__name__
+        if self.optimizer in WRAPPED_ADAMW:
+            wrapper = WRAPPED_ADAMW[self.optimizer].__name__
             out = {"name": self.optimizer, "class": f"optim.{wrapper}(torch.optim.AdamW)", **common}
             return {**out, "max_grad_norm": self.grad_clip, **self.sparse_kwargs()}
         cls = _CLASSES[self.optimizer]
@@ -297,7 +306,7 @@ def build_optimizer(config: TrainConfig, model: torch.nn.Module) -> torch.optim.
     Weight decay applies to parameters with ``dim() >= 2`` only, for every choice.
     """
     params = [p for p in model.parameters() if p.requires_grad]
-    if config.optimizer in TORCH_ADAMW or config.optimizer == "local-adamw" or config.optimizer in OUTER_LOOPS:
+    if config.optimizer in TORCH_ADAMW or config.optimizer in WRAPPED_ADAMW:
         decay = [p for p in params if p.dim() >= 2]
         no_decay = [p for p in params if p.dim() < 2]
         adamw = torch.optim.AdamW(
@@ -306,10 +315,11 @@ def build_optimizer(config: TrainConfig, model: torch.nn.Module) -> torch.optim.
             betas=config.betas,
             eps=config.eps,
         )
-        if config.optimizer in OUTER_LOOPS:
-            return OUTER_LOOPS[config.optimizer](adamw, model, max_grad_norm=config.grad_clip, **config.sparse_kwargs())
-        if config.optimizer != "local-adamw":
+        if config.optimizer not in WRAPPED_ADAMW:
             return adamw
+        if config.optimizer != "local-adamw":
+            wrapper = WRAPPED_ADAMW[config.optimizer]
+            return wrapper(adamw, model, max_grad_norm=config.grad_clip, **config.sparse_kwargs())
         local = config.sparse_kwargs()
         local["wire_dtype"] = getattr(torch, local["wire_dtype"])
         return LocalOptimizer(adamw, model, max_grad_norm=config.grad_clip, **local)
