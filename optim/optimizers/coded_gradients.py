@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.optimizer import StateDict
 
@@ -34,7 +35,7 @@ from optim.optimizers.capabilities import OptimizerCapabilities, StateLayout
 from optim.optimizers.wrapping import WrappingOptimizer, average_grads
 from sparsecomm.quantized import QUANT_BITS, Quantizer, quantized_all_reduce
 
-__all__ = ["GATHER_BLOCK", "SEND_BLOCK", "CodedGradients", "coded_bits", "wire_cost"]
+__all__ = ["CODED_MIN_DENSITY", "GATHER_BLOCK", "SEND_BLOCK", "CodedGradients", "coded_bits", "wire_cost"]
 
 
 SEND_BLOCK = 64
@@ -49,6 +50,10 @@ def wire_cost(send_bits: int, gather_bits: int) -> float:
     send = Quantizer(bits=send_bits, block=SEND_BLOCK).bits_per_value()
     gather = Quantizer(bits=gather_bits, block=GATHER_BLOCK).bits_per_value()
     return (send + gather) / 2.0 / 32.0
+
+
+CODED_MIN_DENSITY = wire_cost(min(QUANT_BITS), min(QUANT_BITS))
+"""The lowest density coded gradients fit: 1-bit codes both ways (0.0371)."""
 
 
 def coded_bits(density: float) -> tuple[int, int]:
@@ -68,8 +73,9 @@ def coded_bits(density: float) -> tuple[int, int]:
         for send in sorted((b for b in QUANT_BITS if b <= gather), reverse=True):
             if wire_cost(send, gather) <= d + 1e-12:
                 return send, gather
-    lowest = wire_cost(min(QUANT_BITS), min(QUANT_BITS))
-    raise ValueError(f"Invalid density: {density!r} (coded gradients send at least {lowest:.4f} of the dense bytes)")
+    raise ValueError(
+        f"Invalid density: {density!r} (coded gradients send at least {CODED_MIN_DENSITY:.4f} of the dense bytes)"
+    )
 
 
 class CodedGradients(WrappingOptimizer):
@@ -181,6 +187,11 @@ class CodedGradients(WrappingOptimizer):
             self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm))
 
     # ------------------------------------------------------------------ state
+    @property
+    def local_state(self) -> dict[str, Tensor]:
+        """What the wrapper keeps beside the wrapped optimizer's state, by name (both residuals)."""
+        return {"residual": self._residual, "own_residual": self._own_residual}
+
     def state_dict(self) -> StateDict:
         """The wrapped optimizer's state dict, plus ``"coded"``: the step, this rank and both residuals.
 

@@ -13,6 +13,7 @@ from optim.apps.benchmarks.optimizer import (
 )
 from optim.apps.cli.bench import format_optimizer_table
 from optim.apps.train_job.model import GPT
+from sparsecomm.quantized import Quantizer
 from tests.dist.harness import run_ranks
 
 pytestmark = pytest.mark.dist
@@ -35,6 +36,7 @@ NAMES = [
     "local@0.01/lean",
     "local-adamw@0.1",
     "local-adamw@0.01",
+    "coded-adamw@0.1",
 ]
 SHARDED = NAMES[:6]
 
@@ -132,6 +134,17 @@ def test_optimizer_bench_structure_and_sanity() -> None:
         assert set(by_op) == {"quantized_all_reduce", "noise", "grad_clip"}
         assert by_op["noise"] == rows["local@0.01"]["wire_bytes_per_step_by_op"]["noise"]
         assert 0 < by_op["grad_clip"] < by_op["noise"]
+    # AdamW on the average gradient in codes (0.01 is below what its codes fit: no row): AdamW's own moments, this
+    # rank's residual of the whole model and the owner's of its shard; 2-bit codes out, 4-bit averages back
+    coded = rows["coded-adamw@0.1"]
+    assert coded["state_bytes_by_part"] == {
+        "exp_avg": 4 * n,
+        "exp_avg_sq": 4 * n,
+        "residual": 4 * padded,
+        "own_residual": 4 * shard,
+    }
+    q2, q4 = Quantizer(bits=2, block=64), Quantizer(bits=4, block=128)
+    assert coded["wire_bytes_per_step_by_op"] == {"coded_gradients": q2.encoded_bytes(shard) + q4.encoded_bytes(shard)}
     # 0.01: LocalAdamS averages no first moments either (its measured normalizer adds the noise sketch)
     local_codes = rows["local@0.01"]["wire_bytes_per_step_by_op"]["quantized_all_reduce"]
     assert rows["local-adamw@0.01"]["wire_bytes_per_step_by_op"]["quantized_all_reduce"] == local_codes
@@ -140,8 +153,6 @@ def test_optimizer_bench_structure_and_sanity() -> None:
     for r in rows.values():
         assert r["speedup"] == pytest.approx(rows["adams"]["step_ms"] / r["step_ms"])
     table = format_optimizer_table(bench).splitlines()
-    assert len(table) == 4 + len(NAMES) and table[-1].split()[0] == "local-adamw@0.01"
-    assert OptimizerBenchConfig(inline_rows=False).densities and [
-        n
-        for n, _, _ in bench_variants(OptimizerBenchConfig(inline_rows=False, local_rows=False, local_adamw_rows=False))
-    ] == ["adamw", "adams", "scape@0.1", "scape@0.01"]
+    assert len(table) == 4 + len(NAMES) and table[-1].split()[0] == "coded-adamw@0.1"
+    plain = OptimizerBenchConfig(inline_rows=False, local_rows=False, local_adamw_rows=False, coded_rows=False)
+    assert [n for n, _, _ in bench_variants(plain)] == ["adamw", "adams", "scape@0.1", "scape@0.01"]

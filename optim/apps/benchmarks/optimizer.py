@@ -19,6 +19,8 @@ initialisation on every rank) and, for each variant
 * ``local-adamw@D``: :class:`torch.optim.AdamW` wrapped by
   :class:`optim.LocalOptimizer` at each density ``D`` with its defaults, when
   ``local_adamw_rows`` is on,
+* ``coded-adamw@D``: :class:`torch.optim.AdamW` inside :class:`optim.CodedGradients`
+  at each density ``D`` its codes fit (from 0.037), when ``coded_rows`` is on,
 
 builds the optimizer exactly as the training job does
 (:func:`optim.apps.train_job.train.build_optimizer`: weight decay on matrices, global-norm clip),
@@ -59,6 +61,7 @@ from optim.apps.train_job.data import VOCAB_SIZE
 from optim.apps.train_job.job_config import TrainConfig, build_optimizer
 from optim.apps.train_job.model import GPT, GPTConfig
 from optim.apps.train_job.train import joined_group
+from optim.optimizers.coded_gradients import CODED_MIN_DENSITY
 
 __all__ = [
     "OptimizerBenchConfig",
@@ -90,6 +93,7 @@ class OptimizerBenchConfig:
     local_rows: bool = True  # Also time LocalAdamS (its defaults) at each density.
     local_variant_rows: bool = True  # And LocalAdamS with overlap=True, and with a bfloat16 normalizer EMA.
     local_adamw_rows: bool = True  # Also time torch.optim.AdamW wrapped by LocalOptimizer at each density.
+    coded_rows: bool = True  # Also time torch.optim.AdamW inside CodedGradients at each density it fits.
     scape_warmup_steps: int = 1  # SCAPE: dense steps before sparsity starts.
     mask_delay: int = 1  # SCAPE: the mask made after step t is used at step t + 1 + mask_delay.
     lr: float = 1e-3  # Constant learning rate of every optimizer.
@@ -172,6 +176,8 @@ def bench_variants(config: OptimizerBenchConfig) -> list[tuple[str, str, float]]
                 out += [(f"local@{d:g}/{v}", "local-adams", float(d)) for v in ("overlap", "lean")]
     if config.local_adamw_rows:
         out += [(f"local-adamw@{d:g}", "local-adamw", float(d)) for d in config.densities]
+    if config.coded_rows:
+        out += [(f"coded-adamw@{d:g}", "coded-adamw", float(d)) for d in config.densities if d >= CODED_MIN_DENSITY]
     return out
 
 
@@ -187,7 +193,7 @@ def _state_bytes(opt: Any) -> dict[str, int]:
     The master shard counts only where it is memory of its own: a master kept in the parameters
     themselves (SCAPE, LocalAdamS with fp32 parameters) is the model's memory, not the optimizer's.
     """
-    local_state = getattr(opt, "local_state", None)  # LocalOptimizer: what the averaging keeps
+    local_state = getattr(opt, "local_state", None)  # LocalOptimizer, CodedGradients: what the wrapper keeps
     if local_state is not None:  # the wrapped optimizer's own state, then what the averaging keeps
         parts: dict[str, int] = {}
         for st in opt.state.values():
