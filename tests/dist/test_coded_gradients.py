@@ -36,8 +36,10 @@ def _grad(model: torch.nn.Module, padded: int) -> torch.Tensor:
     return torch.cat([g, torch.zeros(padded - g.numel())])
 
 
-def _simulate(ws: int, bits: tuple[int, int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _simulate(ws: int, bits: tuple[int, int], rotate: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The model after every step and the true average gradient of every step, all in this process."""
+    from optim.optimizers.coded_gradients import rotate_, rotation_signs, rotation_spans
+
     send, gather = Quantizer(bits=bits[0], block=64), Quantizer(bits=bits[1], block=128)
     model = _model()
     inner = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
@@ -45,6 +47,7 @@ def _simulate(ws: int, bits: tuple[int, int]) -> tuple[list[torch.Tensor], list[
     chunk = math.ceil(n / ws)
     residual = [torch.zeros(chunk * ws) for _ in range(ws)]
     own = [torch.zeros(chunk) for _ in range(ws)]
+    spans, signs = rotation_spans(n, ws), rotation_signs()
     flats, truth = [], []
     for t in range(STEPS):
         grads = []
@@ -58,7 +61,10 @@ def _simulate(ws: int, bits: tuple[int, int]) -> tuple[list[torch.Tensor], list[
         else:
             decoded = []
             for r in range(ws):
-                x = grads[r] + residual[r]
+                x = grads[r].clone()
+                if rotate:
+                    rotate_(x, spans, signs)
+                x += residual[r]
                 d = torch.cat([send.encode(x[c * chunk : (c + 1) * chunk])[1] for c in range(ws)])
                 residual[r] = x - d
                 residual[r][n:] = 0.0  # the padding's
@@ -75,6 +81,8 @@ def _simulate(ws: int, bits: tuple[int, int]) -> tuple[list[torch.Tensor], list[
                 own[c][max(0, n - c * chunk) :] = 0.0
                 parts.append(dec)
             avg = torch.cat(parts)
+            if rotate:
+                rotate_(avg, spans, signs, inverse=True)
         off = 0
         for p in model.parameters():
             p.grad = avg[off : off + p.numel()].view(p.shape).clone()
@@ -84,12 +92,12 @@ def _simulate(ws: int, bits: tuple[int, int]) -> tuple[list[torch.Tensor], list[
     return flats, truth
 
 
-def _run(rank: int, ws: int, bits: tuple[int, int]) -> dict[str, Any]:
+def _run(rank: int, ws: int, bits: tuple[int, int], rotate: bool = True) -> dict[str, Any]:
     from optim import CodedGradients
 
     model = _model()
     inner = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
-    opt = CodedGradients(inner, model, bits=bits, warmup_steps=WARM)
+    opt = CodedGradients(inner, model, bits=bits, warmup_steps=WARM, rotate=rotate)
     stats = opt.communicator.stats
     flats, sent, used = [], [], []
     for t in range(STEPS):
@@ -111,11 +119,11 @@ def _run(rank: int, ws: int, bits: tuple[int, int]) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("bits", [(2, 4), (1, 8)])
-def test_every_step_is_the_ranks_simulated_in_one_process_bit_for_bit(bits: tuple[int, int]) -> None:
+@pytest.mark.parametrize(("bits", "rotate"), [((2, 4), True), ((2, 4), False), ((1, 8), True)])
+def test_every_step_is_the_ranks_simulated_in_one_process_bit_for_bit(bits: tuple[int, int], rotate: bool) -> None:
     ws = 2
-    res = run_ranks(_run, ws, bits, timeout=60)
-    ref, _ = _simulate(ws, bits)
+    res = run_ranks(_run, ws, bits, rotate, timeout=60)
+    ref, _ = _simulate(ws, bits, rotate)
     for t in range(STEPS):
         assert res[0]["flats"][t] == res[1]["flats"][t], f"step {t}: the replicas differ"
         assert torch.equal(torch.tensor(res[0]["flats"][t]), ref[t]), f"step {t}"
@@ -127,10 +135,11 @@ def test_every_step_is_the_ranks_simulated_in_one_process_bit_for_bit(bits: tupl
 
 def test_error_feedback_loses_nothing() -> None:
     """Summed over the coded steps, the averages the optimizer stepped on equal the true averages less what the
-    residuals still hold (the ranks' mean residual and the owners' residuals)."""
+    residuals still hold (the ranks' mean residual and the owners' residuals). Without the rotation, whose
+    residuals are in rotated coordinates."""
     ws = 3
-    res = run_ranks(_run, ws, (2, 4), timeout=60)
-    _, truth = _simulate(ws, (2, 4))
+    res = run_ranks(_run, ws, (2, 4), False, timeout=60)
+    _, truth = _simulate(ws, (2, 4), False)
     used = torch.tensor(res[0]["used"][WARM:], dtype=torch.float64).sum(0)
     true = torch.stack(truth[WARM:]).double().sum(0)
     held = sum(torch.tensor(r["residual"], dtype=torch.float64) for r in res) / ws
@@ -220,6 +229,7 @@ BAD: dict[str, dict[str, Any]] = {
     "bits": {"bits": (3, 4)},
     "bits-word": {"bits": "wide"},
     "warmup": {"warmup_steps": -1},
+    "rotate": {"rotate": "yes"},
     "clip": {"max_grad_norm": -1.0},
 }
 
@@ -250,6 +260,7 @@ def _bad(rank: int, ws: int, case: str) -> str:
         ("bits", "ValueError", "Invalid bits"),
         ("bits-word", "ValueError", "Invalid bits"),
         ("warmup", "ValueError", "Invalid warmup_steps"),
+        ("rotate", "ArgumentTypeError", "Invalid rotate"),
         ("clip", "ValueError", "Invalid max_grad_norm"),
         ("settings-differ", "ValueError", "differ between ranks"),
         ("one-rank-density", "ValueError", ""),
