@@ -22,7 +22,6 @@ model), the owner's residual (one fp32 shard) and one flat fp32 gradient.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -31,23 +30,12 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.optimizer import StateDict
 
-from bindings.validate import check_bool, check_density, check_int
+from bindings.validate import check_choice, check_density, check_int
 from optim.optimizers.capabilities import OptimizerCapabilities, StateLayout
-from optim.optimizers.wrapping import WrappingOptimizer, average_grads
+from optim.optimizers.wrapping import WrappingOptimizer, adam_moments, average_grads
 from sparsecomm.quantized import QUANT_BITS, Quantizer, quantized_all_reduce
 
-__all__ = [
-    "CODED_MIN_DENSITY",
-    "GATHER_BLOCK",
-    "ROTATION",
-    "SEND_BLOCK",
-    "CodedGradients",
-    "coded_bits",
-    "rotate_",
-    "rotation_signs",
-    "rotation_spans",
-    "wire_cost",
-]
+__all__ = ["CODED_MIN_DENSITY", "GATHER_BLOCK", "SEND_BLOCK", "CodedGradients", "coded_bits", "wire_cost"]
 
 
 SEND_BLOCK = 64
@@ -57,53 +45,11 @@ GATHER_BLOCK = 128
 """Values per scale of the codes of the averages the owners send to every rank."""
 
 
-ROTATION = 64
-"""Values per block of the rotation (:func:`rotate_`): a Walsh-Hadamard transform with random signs."""
+PRECONDITIONS = ("auto", "adam", "none")
+"""Choices of ``CodedGradients(precondition=...)``."""
 
-
-def _hadamard(x: Tensor) -> Tensor:
-    """The Walsh-Hadamard transform of every row of ``x`` (``[m, B]``, ``B`` a power of 2), divided by ``sqrt(B)``.
-
-    Only additions and subtractions (and a division by a power of 4's root, exact for B a power of 4), so every rank
-    computes the same bits from the same input.
-    """
-    m, n = x.shape
-    h = 1
-    while h < n:
-        y = x.view(m, n // (2 * h), 2, h)
-        x = torch.stack((y[:, :, 0] + y[:, :, 1], y[:, :, 0] - y[:, :, 1]), dim=2).view(m, n)
-        h *= 2
-    return x.div_(math.sqrt(n))
-
-
-def rotate_(x: Tensor, spans: list[tuple[int, int]], signs: Tensor, *, inverse: bool = False) -> None:
-    """Rotate ``x[lo:hi]`` for every span, in blocks of ``signs.numel()``, in place (an orthonormal map).
-
-    ``R(v) = H (s * v) / sqrt(B)`` per block (``H`` the Walsh-Hadamard matrix, ``s`` the random signs);
-    ``inverse``: ``s * H v / sqrt(B)``. A block's values then spread evenly over its positions, so blockwise
-    codes of the rotated values meet a few large entries as they would Gaussian ones.
-    """
-    b = signs.numel()
-    for lo, hi in spans:
-        v = x[lo:hi].view(-1, b)
-        x[lo:hi] = (_hadamard(v).mul_(signs) if inverse else _hadamard(v * signs)).view(-1)
-
-
-def rotation_spans(numel: int, world_size: int) -> list[tuple[int, int]]:
-    """The spans :func:`rotate_` turns: every whole block of model positions inside one rank's chunk.
-
-    The chunk of rank ``r`` is ``[r c, (r + 1) c)`` with ``c = ceil(numel / world_size)``; the positions past a
-    chunk's last whole block, and the padding, stay as they are.
-    """
-    c = -(-numel // world_size)
-    spans = [(r * c, r * c + (max(0, min(c, numel - r * c)) // ROTATION) * ROTATION) for r in range(world_size)]
-    return [(lo, hi) for lo, hi in spans if hi > lo]
-
-
-def rotation_signs() -> Tensor:
-    """The rotation's random signs (float32, ``ROTATION`` of them): the same on every rank, from a fixed seed."""
-    g = torch.Generator().manual_seed(0x5C0DE)
-    return (torch.randint(0, 2, (ROTATION,), generator=g) * 2 - 1).to(torch.float32)
+SCALE_FLOOR = 0.01
+"""The preconditioning scale's floor, as a fraction of its mean over each tensor."""
 
 
 def wire_cost(send_bits: int, gather_bits: int) -> float:
@@ -153,9 +99,11 @@ class CodedGradients(WrappingOptimizer):
         bits: ``"auto"`` (default) or ``(send_bits, gather_bits)``, each one of 1, 2, 4, 8: the codes
             every rank sends to the owners and the codes of the averages; they set the bytes, not ``density``.
         warmup_steps: Steps whose gradients are averaged dense (fp32) first.
-        rotate: Rotate every block of 64 positions (a Walsh-Hadamard transform with random signs,
-            :func:`rotate_`) before the codes and back after them: a block's few large entries no longer set
-            its scale alone.
+        precondition: ``"adam"``: the codes carry every gradient divided by the wrapped Adam's or AdamW's
+            denominator ``sqrt(v_hat) + eps`` (the same on every rank: the replicas are one model), so their
+            error is even over the coordinates as Adam's step sees them, not over their raw magnitudes;
+            ``"none"``: the raw gradient; ``"auto"`` (default): ``"adam"`` for Adam and AdamW without
+            ``amsgrad``, ``"none"`` for others.
         max_grad_norm: Clip the averaged gradient to this global norm (0: no clipping).
         group: The process group (default: the default group of :mod:`sparsecomm.distributed`).
 
@@ -178,15 +126,15 @@ class CodedGradients(WrappingOptimizer):
         density: float = 0.1,
         bits: tuple[int, int] | str = "auto",
         warmup_steps: int = 10,
-        rotate: bool = True,
+        precondition: str = "auto",
         max_grad_norm: float = 0.0,
         group: Any = None,
     ) -> None:
-        self._given = (density, bits, warmup_steps, rotate)
+        self._given = (density, bits, warmup_steps, precondition)
         super().__init__(optimizer, model, max_grad_norm=max_grad_norm, group=group)
 
     def _check_settings(self, optimizer: Optimizer) -> str:
-        density, bits, warmup_steps, rotate = self._given
+        density, bits, warmup_steps, precondition = self._given
         self.density = check_density(density)
         if bits == "auto":
             bits = coded_bits(self.density)
@@ -197,16 +145,24 @@ class CodedGradients(WrappingOptimizer):
         self.gather_quantizer = Quantizer(bits=int(bits[1]), block=GATHER_BLOCK)
         """The codes of the averages the owners send to every rank."""
         self.warmup_steps = check_int("warmup_steps", warmup_steps, low=0)
-        self.rotate = check_bool("rotate", rotate)
-        """Whether the codes see every block of 64 positions rotated (:func:`rotate_`)."""
-        return f"{self.density}|{self.quantizer.bits}|{self.gather_quantizer.bits}|{self.warmup_steps}|{self.rotate}"
+        check_choice("precondition", precondition, PRECONDITIONS)
+        if precondition == "adam" and not adam_moments(optimizer):
+            raise ValueError(
+                f"precondition='adam' divides by the second moment of torch.optim.Adam / AdamW without amsgrad, "
+                f"not of {type(optimizer).__name__}: use precondition='none'"
+            )
+        if precondition == "auto":
+            precondition = "adam" if adam_moments(optimizer) else "none"
+        self.precondition = precondition
+        """``"adam"`` or ``"none"`` (``"auto"`` resolved)."""
+        codes = f"{self.quantizer.bits}|{self.gather_quantizer.bits}"
+        return f"{self.density}|{codes}|{self.warmup_steps}|{self.precondition}"
 
     def _make_buffers(self) -> None:
         b = self._bucket
         self._residual = b.new_flat()  # what this rank's codes dropped, added to its next gradient
         self._own_residual = b.new_shard()  # what the codes of this rank's chunk of the average dropped
-        self._spans = rotation_spans(b.numel, b.world_size)
-        self._signs = rotation_signs().to(b.device)
+        self._scale = b.new_flat() if self.precondition == "adam" else None  # Adam's denominator, per position
 
     def _average_replicas(self) -> None:
         """The replicas are the same on every rank: nothing to average."""
@@ -232,27 +188,63 @@ class CodedGradients(WrappingOptimizer):
         return loss
 
     def _average_coded(self) -> None:
+        """Average the gradients in codes; the residuals are kept in the gradient's own units."""
         b, g = self._bucket, self._grad
         missing = set(b.gather_grads(g))
-        if self.rotate:  # the residuals live in the rotated coordinates
-            rotate_(g, self._spans, self._signs)
         g.add_(self._residual)
-        with self._comm.stats.scope("coded_gradients"):
-            error = quantized_all_reduce(
-                self._comm, g, self.quantizer, residual=self._own_residual, gather_quantizer=self.gather_quantizer
-            )
+        scale = self._adam_scale()
+        own = self._own_residual
+        if scale is not None:  # the codes see the gradient as Adam's step will
+            own_scale = b.own_slice(scale)
+            g.div_(scale)
+            own.div_(own_scale)
+        try:
+            with self._comm.stats.scope("coded_gradients"):
+                error = quantized_all_reduce(
+                    self._comm, g, self.quantizer, residual=own, gather_quantizer=self.gather_quantizer
+                )
+        finally:
+            if scale is not None:
+                own.mul_(own_scale)
+        if scale is not None:
+            error.mul_(scale)
+            g.mul_(scale)
         self._residual.copy_(error)
-        if self.rotate:
-            rotate_(g, self._spans, self._signs, inverse=True)
         # the padding is no position of the model: what the codes made of its zeros is dropped, not carried
         self._residual[b.numel :].zero_()
-        self._own_residual[max(0, b.numel - b.shard_lo) :].zero_()
+        own[max(0, b.numel - b.shard_lo) :].zero_()
         for i, (p, off) in enumerate(zip(b.params, b.offsets, strict=True)):
             avg = g[off : off + p.numel()].view(p.shape)
             if i in missing:
                 p.grad = avg.clone()
             else:
                 p.grad.copy_(avg)  # type: ignore[union-attr]
+
+    def _adam_scale(self) -> Tensor | None:
+        """Fill the scale buffer with Adam's denominator ``sqrt(v_hat) + eps`` per position (``precondition="adam"``).
+
+        The same on every rank (the wrapped optimizers' states are). Floored at 1% of its mean over the tensor, so
+        a coordinate whose ``v`` is still 0 does not blow its block up; 1 where a parameter has no state yet and in
+        the padding. ``None`` without preconditioning.
+        """
+        scale = self._scale
+        if scale is None:
+            return None
+        scale.fill_(1.0)
+        b = self._bucket
+        offsets = {id(p): off for p, off in zip(b.params, b.offsets, strict=True)}
+        for group in self.optimizer.param_groups:
+            beta2, eps = group["betas"][1], group["eps"]
+            for p in group["params"]:
+                st = self.optimizer.state.get(p)
+                if not st or "exp_avg_sq" not in st:
+                    continue
+                off = offsets[id(p)]
+                view = scale[off : off + p.numel()].view(p.shape)
+                torch.div(st["exp_avg_sq"], 1.0 - beta2 ** float(st["step"]), out=view)
+                view.sqrt_().add_(eps)
+                view.clamp_(min=float(view.mean()) * SCALE_FLOOR)
+        return scale
 
     def _clip(self) -> None:
         if self.max_grad_norm > 0:

@@ -50,21 +50,15 @@ from torch.optim.optimizer import StateDict
 from bindings import ReduceOp
 from optim.optimizers.averaging import Averaging, ReplicaAverager
 from optim.optimizers.noise import NoiseScale, check_noise_state, effective_world_size, local_share
-from optim.optimizers.wrapping import WrappingOptimizer
+from optim.optimizers.wrapping import WrappingOptimizer, adam_moments
 
 __all__ = ["NOISE", "LocalOptimizer"]
 
 NOISE = ("auto", "measured", "debias", "keep")
 """Choices of ``LocalOptimizer(noise=...)``."""
 
-_DEBIASED = (torch.optim.Adam, torch.optim.AdamW)
-"""The optimizers whose second moment ``noise="debias"`` corrects (``exp_avg``, ``exp_avg_sq``, no ``amsgrad``)."""
 
 logger = logging.getLogger(__name__)
-
-
-def _debiasable(optimizer: Optimizer) -> bool:
-    return isinstance(optimizer, _DEBIASED) and not any(g.get("amsgrad") for g in optimizer.param_groups)
 
 
 class LocalOptimizer(WrappingOptimizer):
@@ -154,23 +148,23 @@ class LocalOptimizer(WrappingOptimizer):
         noise, average_moment = self._noise_given, self._moment_given
         if noise not in NOISE:
             raise ValueError(f"Invalid noise: {noise!r} (must be one of {NOISE})")
-        if noise in ("debias", "measured") and not _debiasable(optimizer):
+        if noise in ("debias", "measured") and not adam_moments(optimizer):
             raise ValueError(
                 f"noise={noise!r} corrects the second moment of torch.optim.Adam / AdamW without amsgrad, "
                 f"not of {type(optimizer).__name__}: use noise='keep'"
             )
         if average_moment not in ("auto", True, False):
             raise ValueError(f"Invalid average_moment: {average_moment!r} (must be 'auto', True or False)")
-        if average_moment is True and not _debiasable(optimizer):
+        if average_moment is True and not adam_moments(optimizer):
             raise ValueError(
                 "average_moment averages the first moment (exp_avg) of torch.optim.Adam / AdamW without "
                 f"amsgrad, not of {type(optimizer).__name__}"
             )
-        if average_moment == "auto" or not _debiasable(optimizer):
+        if average_moment == "auto" or not adam_moments(optimizer):
             average_moment = False  # auto: off (see the argument's documentation)
         self.averaging = self._resolve(average_moment=average_moment)
         """The averaging's settings, every ``"auto"`` resolved."""
-        self.noise = noise if noise != "auto" else "measured" if _debiasable(optimizer) else "keep"
+        self.noise = noise if noise != "auto" else "measured" if adam_moments(optimizer) else "keep"
         """``"measured"``, ``"debias"`` or ``"keep"`` (``"auto"`` resolved)."""
         return f"{self.averaging}|{self.noise}"
 

@@ -30,12 +30,20 @@ from optim.optimizers.capabilities import OptimizerCapabilities, ParamGroup, Sta
 from optim.optimizers.noise import MeanNorm
 from optim.optimizers.sharded import agree
 
-__all__ = ["WrappingOptimizer", "average_grads", "check_inner"]
+__all__ = ["ADAM_MOMENTS", "WrappingOptimizer", "adam_moments", "average_grads", "check_inner"]
+
+ADAM_MOMENTS = (torch.optim.Adam, torch.optim.AdamW)
+"""The optimizers whose state a wrapper may read and correct: ``exp_avg``, ``exp_avg_sq`` and ``step`` per parameter."""
 
 logger = logging.getLogger(__name__)
 
 _WRAPPED: weakref.WeakSet[Optimizer] = weakref.WeakSet()
 """The optimizers a :class:`WrappingOptimizer` wraps: a second wrapper of one is refused."""
+
+
+def adam_moments(optimizer: Optimizer) -> bool:
+    """Whether ``optimizer`` keeps Adam's moments a wrapper may read and correct (Adam or AdamW, no ``amsgrad``)."""
+    return isinstance(optimizer, ADAM_MOMENTS) and not any(g.get("amsgrad") for g in optimizer.param_groups)
 
 
 def check_inner(optimizer: object, model: object) -> None:

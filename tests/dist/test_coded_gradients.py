@@ -36,10 +36,19 @@ def _grad(model: torch.nn.Module, padded: int) -> torch.Tensor:
     return torch.cat([g, torch.zeros(padded - g.numel())])
 
 
-def _simulate(ws: int, bits: tuple[int, int], rotate: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The model after every step and the true average gradient of every step, all in this process."""
-    from optim.optimizers.coded_gradients import rotate_, rotation_signs, rotation_spans
+def _adam_scale(model: torch.nn.Module, inner: torch.optim.AdamW, padded: int) -> torch.Tensor:
+    """AdamW's denominator per position, floored at 1% of each tensor's mean (1 without state, in the padding)."""
+    parts = []
+    for p in model.parameters():
+        st = inner.state[p]
+        d = torch.div(st["exp_avg_sq"], 1.0 - 0.999 ** float(st["step"])).sqrt_().add_(1e-8)
+        parts.append(d.clamp_(min=float(d.mean()) * 0.01).flatten())
+    d = torch.cat(parts)
+    return torch.cat([d, torch.ones(padded - d.numel())])
 
+
+def _simulate(ws: int, bits: tuple[int, int], adam: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The model after every step and the true average gradient of every step, all in this process."""
     send, gather = Quantizer(bits=bits[0], block=64), Quantizer(bits=bits[1], block=128)
     model = _model()
     inner = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
@@ -47,7 +56,6 @@ def _simulate(ws: int, bits: tuple[int, int], rotate: bool = True) -> tuple[list
     chunk = math.ceil(n / ws)
     residual = [torch.zeros(chunk * ws) for _ in range(ws)]
     own = [torch.zeros(chunk) for _ in range(ws)]
-    spans, signs = rotation_spans(n, ws), rotation_signs()
     flats, truth = [], []
     for t in range(STEPS):
         grads = []
@@ -59,14 +67,16 @@ def _simulate(ws: int, bits: tuple[int, int], rotate: bool = True) -> tuple[list
         if t < WARM:
             avg = sum(grads) / ws
         else:
+            scale = _adam_scale(model, inner, chunk * ws) if adam else torch.ones(chunk * ws)
             decoded = []
             for r in range(ws):
-                x = grads[r].clone()
-                if rotate:
-                    rotate_(x, spans, signs)
-                x += residual[r]
+                x = grads[r] + residual[r]
+                if adam:
+                    x /= scale
                 d = torch.cat([send.encode(x[c * chunk : (c + 1) * chunk])[1] for c in range(ws)])
                 residual[r] = x - d
+                if adam:
+                    residual[r] *= scale
                 residual[r][n:] = 0.0  # the padding's
                 decoded.append(d)
             parts = []
@@ -75,14 +85,17 @@ def _simulate(ws: int, bits: tuple[int, int], rotate: bool = True) -> tuple[list
                 for r in range(ws):
                     a += decoded[r][c * chunk : (c + 1) * chunk]
                 a /= ws
-                a += own[c]
+                own_scale = scale[c * chunk : (c + 1) * chunk]
+                a += own[c] / own_scale if adam else own[c]
                 dec = gather.encode(a)[1]
                 own[c] = a - dec
+                if adam:
+                    own[c] *= own_scale
                 own[c][max(0, n - c * chunk) :] = 0.0
                 parts.append(dec)
             avg = torch.cat(parts)
-            if rotate:
-                rotate_(avg, spans, signs, inverse=True)
+            if adam:
+                avg *= scale
         off = 0
         for p in model.parameters():
             p.grad = avg[off : off + p.numel()].view(p.shape).clone()
@@ -92,12 +105,12 @@ def _simulate(ws: int, bits: tuple[int, int], rotate: bool = True) -> tuple[list
     return flats, truth
 
 
-def _run(rank: int, ws: int, bits: tuple[int, int], rotate: bool = True) -> dict[str, Any]:
+def _run(rank: int, ws: int, bits: tuple[int, int], adam: bool = True) -> dict[str, Any]:
     from optim import CodedGradients
 
     model = _model()
     inner = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
-    opt = CodedGradients(inner, model, bits=bits, warmup_steps=WARM, rotate=rotate)
+    opt = CodedGradients(inner, model, bits=bits, warmup_steps=WARM, precondition="adam" if adam else "none")
     stats = opt.communicator.stats
     flats, sent, used = [], [], []
     for t in range(STEPS):
@@ -119,11 +132,11 @@ def _run(rank: int, ws: int, bits: tuple[int, int], rotate: bool = True) -> dict
     }
 
 
-@pytest.mark.parametrize(("bits", "rotate"), [((2, 4), True), ((2, 4), False), ((1, 8), True)])
-def test_every_step_is_the_ranks_simulated_in_one_process_bit_for_bit(bits: tuple[int, int], rotate: bool) -> None:
+@pytest.mark.parametrize(("bits", "adam"), [((2, 4), True), ((2, 4), False), ((1, 8), True)])
+def test_every_step_is_the_ranks_simulated_in_one_process_bit_for_bit(bits: tuple[int, int], adam: bool) -> None:
     ws = 2
-    res = run_ranks(_run, ws, bits, rotate, timeout=60)
-    ref, _ = _simulate(ws, bits, rotate)
+    res = run_ranks(_run, ws, bits, adam, timeout=60)
+    ref, _ = _simulate(ws, bits, adam)
     for t in range(STEPS):
         assert res[0]["flats"][t] == res[1]["flats"][t], f"step {t}: the replicas differ"
         assert torch.equal(torch.tensor(res[0]["flats"][t]), ref[t]), f"step {t}"
@@ -133,13 +146,14 @@ def test_every_step_is_the_ranks_simulated_in_one_process_bit_for_bit(bits: tupl
         assert b == (0 if t < WARM else send.encoded_bytes(chunk) + gather.encoded_bytes(chunk)), t
 
 
-def test_error_feedback_loses_nothing() -> None:
+@pytest.mark.parametrize("adam", [True, False])
+def test_error_feedback_loses_nothing(adam: bool) -> None:
     """Summed over the coded steps, the averages the optimizer stepped on equal the true averages less what the
-    residuals still hold (the ranks' mean residual and the owners' residuals). Without the rotation, whose
-    residuals are in rotated coordinates."""
+    residuals still hold (the ranks' mean residual and the owners' residuals), in the gradient's own units also
+    where the codes carried it divided by Adam's denominator."""
     ws = 3
-    res = run_ranks(_run, ws, (2, 4), False, timeout=60)
-    _, truth = _simulate(ws, (2, 4), False)
+    res = run_ranks(_run, ws, (2, 4), adam, timeout=60)
+    _, truth = _simulate(ws, (2, 4), adam)
     used = torch.tensor(res[0]["used"][WARM:], dtype=torch.float64).sum(0)
     true = torch.stack(truth[WARM:]).double().sum(0)
     held = sum(torch.tensor(r["residual"], dtype=torch.float64) for r in res) / ws
@@ -229,7 +243,7 @@ BAD: dict[str, dict[str, Any]] = {
     "bits": {"bits": (3, 4)},
     "bits-word": {"bits": "wide"},
     "warmup": {"warmup_steps": -1},
-    "rotate": {"rotate": "yes"},
+    "precondition": {"precondition": "newton"},
     "clip": {"max_grad_norm": -1.0},
 }
 
@@ -245,6 +259,8 @@ def _bad(rank: int, ws: int, case: str) -> str:
         inner = optim.LocalOptimizer(inner, model)  # type: ignore[arg-type]
     elif mine == "twice":
         optim.CodedGradients(inner, model)  # type: ignore[arg-type]
+    elif mine == "sgd-adam":
+        inner, kw = torch.optim.SGD(model.parameters(), lr=0.1), {"precondition": "adam"}
     elif mine == "foreign":
         inner = torch.optim.AdamW([*model.parameters(), torch.nn.Parameter(torch.zeros(3))], lr=0.01)
     return build_outcome(lambda: optim.CodedGradients(inner, model, **kw))  # type: ignore[arg-type]
@@ -260,7 +276,8 @@ def _bad(rank: int, ws: int, case: str) -> str:
         ("bits", "ValueError", "Invalid bits"),
         ("bits-word", "ValueError", "Invalid bits"),
         ("warmup", "ValueError", "Invalid warmup_steps"),
-        ("rotate", "ArgumentTypeError", "Invalid rotate"),
+        ("precondition", "ValueError", "Invalid precondition"),
+        ("sgd-adam", "ValueError", "precondition='adam' divides"),
         ("clip", "ValueError", "Invalid max_grad_norm"),
         ("settings-differ", "ValueError", "differ between ranks"),
         ("one-rank-density", "ValueError", ""),
