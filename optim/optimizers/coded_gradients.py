@@ -12,12 +12,21 @@ Adam's second moment holds the averaged gradient's noise and clipping clips the
 average. What differs from dense training is only the codes' error, which
 error feedback carries into the next steps.
 
+Blockwise codes err in proportion to each block's largest or typical value, so
+a coordinate whose gradient is small beside its block's neighbours gets a
+large relative error, while Adam steps every coordinate by its gradient over
+its own ``sqrt(v_hat) + eps``. For Adam and AdamW (``precondition="adam"``,
+the default for them) the codes carry the gradient divided by that
+denominator, which every rank holds alike, so their error is even over the
+coordinates as the step sees them; the residuals stay in the gradient's units.
+
 Wire bytes per step: the mean of the two directions' bits per value over 32
 of a dense fp32 all_reduce (:func:`wire_cost`; at density 0.1, 2-bit codes
 from the ranks and 4-bit codes of the averages, 0.0996): this method needs a
 density of at least 0.037 (:func:`coded_bits`). Memory beside the
 wrapped optimizer's state: the gradient's residual (one fp32 copy of the
-model), the owner's residual (one fp32 shard) and one flat fp32 gradient.
+model), the owner's residual (one fp32 shard), one flat fp32 gradient and,
+when preconditioning, one flat fp32 copy of the denominator.
 """
 
 from __future__ import annotations
