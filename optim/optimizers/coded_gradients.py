@@ -126,6 +126,7 @@ class CodedGradients(WrappingOptimizer):
 
     capabilities = OptimizerCapabilities(layout=StateLayout.REPLICATED, replicas_drift=False, own_snapshots=False)
     """Every rank steps the same replica on the same average gradient; snapshots: ``state_dict()``, parameters."""
+    _STATE_KEY = "coded"
 
     def __init__(
         self,
@@ -271,15 +272,7 @@ class CodedGradients(WrappingOptimizer):
 
         Holds live tensors (copy or save it before the next step).
         """
-        b = self._bucket
-        coded: StateDict = {
-            "step": self._step,
-            "rank": b.rank,
-            "world_size": b.world_size,
-            "residual": self._residual,
-            "own_residual": self._own_residual,
-        }
-        return {**self.optimizer.state_dict(), "coded": coded}
+        return self._wrapped_state({**self._state_entry(), **self.local_state})
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: StateDict) -> None:
@@ -292,13 +285,8 @@ class CodedGradients(WrappingOptimizer):
         Raises:
             ValueError: Not a CodedGradients' state dict of this model.
         """
-        coded = state_dict.get("coded") if isinstance(state_dict, dict) else None
-        if not isinstance(coded, dict):
-            raise ValueError("state_dict: not a CodedGradients' (no 'coded' entry)")
+        coded, step, rank = self._read_entry(state_dict)
         b = self._bucket
-        step, rank = coded.get("step"), coded.get("rank")
-        if type(step) is not int or step < 0 or type(rank) is not int or rank < 0:
-            raise ValueError(f"state_dict: bad step {step!r} or rank {rank!r}")
         residual, own = coded.get("residual"), coded.get("own_residual")
         for name, t in (("residual", residual), ("own_residual", own)):
             if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.float32:
@@ -306,7 +294,7 @@ class CodedGradients(WrappingOptimizer):
         assert isinstance(residual, torch.Tensor) and isinstance(own, torch.Tensor)
         if residual.numel() < b.numel:
             raise ValueError(f"state_dict: residual holds {residual.numel()} values, the model {b.numel}")
-        self.optimizer.load_state_dict({k: v for k, v in state_dict.items() if k != "coded"})
+        self._load_wrapped(state_dict)
         self._residual.zero_()
         self._residual[: b.numel].copy_(residual[: b.numel])
         b.take_own(self._own_residual, own, rank)

@@ -112,6 +112,7 @@ class LocalOptimizer(WrappingOptimizer):
     """
 
     _clip_averaged = True
+    _STATE_KEY = "local"
 
     def __init__(
         self,
@@ -354,14 +355,13 @@ class LocalOptimizer(WrappingOptimizer):
         Holds live tensors (copy or save it before the next step). With
         ``overlap``, the state before the averaging in flight lands.
         """
-        b = self._bucket
-        local: StateDict = {"step": self._step, "rank": b.rank, "world_size": b.world_size}
+        local = self._state_entry()
         local.update(self.local_state)
         if self.noise_scale is not None:
             local.update(self.noise_scale.state_dict())
         if self.mean_norm is not None:
             local.update(self.mean_norm.state_dict())
-        return {**self.optimizer.state_dict(), "local": local}
+        return self._wrapped_state(local)
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: StateDict) -> None:
@@ -374,13 +374,8 @@ class LocalOptimizer(WrappingOptimizer):
         Raises:
             ValueError: Not a LocalOptimizer's state dict of this model and settings.
         """
-        local = state_dict.get("local") if isinstance(state_dict, dict) else None
-        if not isinstance(local, dict):
-            raise ValueError("state_dict: not a LocalOptimizer's (no 'local' entry)")
+        local, step, rank = self._read_entry(state_dict)
         b = self._bucket
-        step, rank = local.get("step"), local.get("rank")
-        if type(step) is not int or step < 0 or type(rank) is not int or rank < 0:
-            raise ValueError(f"state_dict: bad step {step!r} or rank {rank!r}")
         for name, mine in self._full_state().items():
             src = local.get(name)
             if not isinstance(src, Tensor) or src.dim() != 1 or src.numel() < b.numel or src.dtype != mine.dtype:
@@ -394,7 +389,7 @@ class LocalOptimizer(WrappingOptimizer):
         if self.mean_norm is not None:
             check_noise_state(local, "clip_noise_ema")
         self._avg.quiesce()
-        self.optimizer.load_state_dict({k: v for k, v in state_dict.items() if k != "local"})
+        self._load_wrapped(state_dict)
         self._bind_moments()
         for name, mine in self._full_state().items():
             mine.zero_()

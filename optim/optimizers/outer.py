@@ -65,6 +65,8 @@ class OuterLoop(WrappingOptimizer):
             small agreement, the same on every rank).
     """
 
+    _STATE_KEY = "outer"
+
     def __init__(
         self,
         optimizer: Optimizer,
@@ -173,11 +175,10 @@ class OuterLoop(WrappingOptimizer):
 
         Holds live tensors (copy or save it before the next step).
         """
-        b = self._bucket
-        outer: StateDict = {"step": self._step, "rank": b.rank, "world_size": b.world_size}
+        outer = self._state_entry()
         outer["global_params"] = self._global
         outer.update(self._outer_state())
-        return {**self.optimizer.state_dict(), "outer": outer}
+        return self._wrapped_state(outer)
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: StateDict) -> None:
@@ -188,19 +189,13 @@ class OuterLoop(WrappingOptimizer):
         Raises:
             ValueError: Not a state dict of this class, model and settings.
         """
-        name = type(self).__name__
-        outer = state_dict.get("outer") if isinstance(state_dict, dict) else None
-        if not isinstance(outer, dict):
-            raise ValueError(f"state_dict: not a {name}'s (no 'outer' entry)")
-        step = outer.get("step")
-        if type(step) is not int or step < 0:
-            raise ValueError(f"state_dict: bad step {step!r}")
+        outer, step, _ = self._read_entry(state_dict)
         mine = {"global_params": self._global, **self._outer_state()}
         for key, buf in mine.items():
             src = outer.get(key)
             if not isinstance(src, Tensor) or src.shape != buf.shape or src.dtype != buf.dtype:
                 raise ValueError(f"state_dict: {key} missing or not a {buf.dtype} buffer of {buf.numel()} elements")
-        self.optimizer.load_state_dict({k: v for k, v in state_dict.items() if k != "outer"})
+        self._load_wrapped(state_dict)
         for key, buf in mine.items():
             buf.copy_(outer[key])
         self._step = step

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
+from torch.optim.optimizer import StateDict
 
 import sparsecomm.distributed as dist
 from bindings import ReduceOp
@@ -210,6 +211,38 @@ class WrappingOptimizer(OnFlatBucket, Optimizer):
         finally:
             with torch.no_grad():
                 self._flat.copy_(own)
+
+    # ------------------------------------------------------------------ state dict envelope
+    _STATE_KEY = ""
+    """The key of the wrapper's own entry in its ``state_dict()``, beside the wrapped optimizer's entries."""
+
+    def _state_entry(self) -> StateDict:
+        """The start of the wrapper's own entry: the step, this rank and the world size."""
+        b = self._bucket
+        return {"step": self._step, "rank": b.rank, "world_size": b.world_size}
+
+    def _wrapped_state(self, entry: StateDict) -> StateDict:
+        """The state dict: the wrapped optimizer's, plus ``entry`` under :attr:`_STATE_KEY`."""
+        return {**self.optimizer.state_dict(), self._STATE_KEY: entry}
+
+    def _read_entry(self, state_dict: StateDict) -> tuple[StateDict, int, int]:
+        """The wrapper's own entry of ``state_dict``, its step and the rank that saved it (checked).
+
+        Raises:
+            ValueError: No such entry, or a bad step or rank.
+        """
+        key = self._STATE_KEY
+        entry = state_dict.get(key) if isinstance(state_dict, dict) else None
+        if not isinstance(entry, dict):
+            raise ValueError(f"state_dict: not a {type(self).__name__}'s (no {key!r} entry)")
+        step, rank = entry.get("step"), entry.get("rank")
+        if type(step) is not int or step < 0 or type(rank) is not int or rank < 0:
+            raise ValueError(f"state_dict: bad step {step!r} or rank {rank!r}")
+        return entry, step, rank
+
+    def _load_wrapped(self, state_dict: StateDict) -> None:
+        """Load the wrapped optimizer's part of ``state_dict`` (all but the wrapper's own entry)."""
+        self.optimizer.load_state_dict({k: v for k, v in state_dict.items() if k != self._STATE_KEY})
 
     # ------------------------------------------------------------------ torch.optim surface
     # param_groups, state and defaults are the wrapped optimizer's, also after its load_state_dict replaced them
