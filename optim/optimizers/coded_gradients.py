@@ -44,7 +44,16 @@ from optim.optimizers.capabilities import OptimizerCapabilities, StateLayout
 from optim.optimizers.wrapping import WrappingOptimizer, adam_moments, average_grads
 from sparsecomm.quantized import QUANT_BITS, Quantizer, quantized_all_reduce
 
-__all__ = ["CODED_MIN_DENSITY", "GATHER_BLOCK", "SEND_BLOCK", "CodedGradients", "coded_bits", "wire_cost"]
+__all__ = [
+    "CODED_MIN_DENSITY",
+    "GATHER_BLOCK",
+    "PRECONDITIONS",
+    "SCALE_FLOOR",
+    "SEND_BLOCK",
+    "CodedGradients",
+    "coded_bits",
+    "wire_cost",
+]
 
 
 SEND_BLOCK = 64
