@@ -41,7 +41,7 @@ from torch.optim.optimizer import StateDict
 
 from bindings.validate import check_choice, check_density, check_int
 from optim.optimizers.capabilities import OptimizerCapabilities, StateLayout
-from optim.optimizers.wrapping import WrappingOptimizer, adam_moments, average_grads
+from optim.optimizers.wrapping import WrappingOptimizer, adam_moments
 from sparsecomm.quantized import QUANT_BITS, Quantizer, quantized_all_reduce
 
 __all__ = [
@@ -194,15 +194,10 @@ class CodedGradients(WrappingOptimizer):
         """
         loss = self._run_closure(closure)
         self._check_replica()
-        b = self._bucket
         warm = self._step < self.warmup_steps
-        if b.world_size > 1:
-            if warm:
-                average_grads(self._comm, b, self._grad)
-            else:
-                self._average_coded()
-        self._clip()
-        self.optimizer.step()
+        if not warm and self._bucket.world_size > 1:
+            self._average_coded()
+        self._inner_step(warm)  # the warm-up's dense average, the clip by the (averaged) gradient's norm, the step
         self._step += 1
         return loss
 
@@ -264,11 +259,6 @@ class CodedGradients(WrappingOptimizer):
                 view.sqrt_().add_(eps)
                 view.clamp_(min=float(view.mean()) * SCALE_FLOOR)
         return scale
-
-    def _clip(self) -> None:
-        if self.max_grad_norm > 0:
-            params = [p for p in self._bucket.params if p.grad is not None]
-            self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm))
 
     # ------------------------------------------------------------------ state
     @property
