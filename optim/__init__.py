@@ -11,7 +11,7 @@ from optim.optimizers.masked_loco import MaskedLoCo
 from optim.optimizers.scape import SCAPE
 from optim.optimizers.sharded import ShardedAdamS, ShardedAdamW
 from optim.optimizers.sparseloco import SparseLoCo
-from optim.optimizers.topk import TopKAdamS
+from optim.optimizers.topk import TopKAdamS, TopKGradients
 
 __all__ = [
     "AdamS",
@@ -25,6 +25,7 @@ __all__ = [
     "ShardedAdamW",
     "SparseLoCo",
     "TopKAdamS",
+    "TopKGradients",
     "adams_step_",
     "adams_step_foreach_",
     "bias_correction_factor",

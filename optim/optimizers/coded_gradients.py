@@ -41,7 +41,7 @@ from torch.optim.optimizer import StateDict
 
 from bindings.validate import check_choice, check_density, check_int
 from optim.optimizers.capabilities import OptimizerCapabilities, StateLayout
-from optim.optimizers.wrapping import WrappingOptimizer, adam_moments
+from optim.optimizers.wrapping import WrappingOptimizer, adam_moments, set_grads
 from sparsecomm.quantized import QUANT_BITS, Quantizer, quantized_all_reduce
 
 __all__ = [
@@ -227,12 +227,7 @@ class CodedGradients(WrappingOptimizer):
         # the padding is no position of the model: what the codes made of its zeros is dropped, not carried
         self._residual[b.numel :].zero_()
         own[max(0, b.numel - b.shard_lo) :].zero_()
-        for i, (p, off) in enumerate(zip(b.params, b.offsets, strict=True)):
-            avg = g[off : off + p.numel()].view(p.shape)
-            if i in missing:
-                p.grad = avg.clone()
-            else:
-                p.grad.copy_(avg)  # type: ignore[union-attr]
+        set_grads(b, g, missing)
 
     def _adam_scale(self) -> Tensor | None:
         """Fill the scale buffer with Adam's denominator ``sqrt(v_hat) + eps`` per position (``precondition="adam"``).

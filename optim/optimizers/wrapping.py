@@ -31,7 +31,7 @@ from optim.optimizers.capabilities import OptimizerCapabilities, ParamGroup, Sta
 from optim.optimizers.noise import MeanNorm
 from optim.optimizers.sharded import agree
 
-__all__ = ["ADAM_MOMENTS", "WrappingOptimizer", "adam_moments", "average_grads", "check_inner"]
+__all__ = ["ADAM_MOMENTS", "WrappingOptimizer", "adam_moments", "average_grads", "check_inner", "set_grads"]
 
 ADAM_MOMENTS = (torch.optim.Adam, torch.optim.AdamW)
 """The optimizers whose state a wrapper may read and correct: ``exp_avg``, ``exp_avg_sq`` and ``step`` per parameter."""
@@ -90,10 +90,19 @@ def average_grads(comm: Any, bucket: FlatBucket, buf: Tensor) -> None:
     """
     missing = set(bucket.gather_grads(buf))
     comm.all_reduce(buf, ReduceOp.AVG)
+    set_grads(bucket, buf, missing)
+
+
+def set_grads(bucket: FlatBucket, buf: Tensor, missing: set[int]) -> None:
+    """Copy the flat gradient ``buf`` into every parameter's ``.grad``; new ones for the ``missing`` indices.
+
+    A parameter this rank had no gradient for gets one too (another rank had one:
+    every replica takes the same step).
+    """
     for i, (p, off) in enumerate(zip(bucket.params, bucket.offsets, strict=True)):
         avg = buf[off : off + p.numel()].view(p.shape)
         if i in missing:
-            p.grad = avg.clone()  # another rank had one: every replica takes the same step
+            p.grad = avg.clone()
         else:
             p.grad.copy_(avg)  # type: ignore[union-attr]
 

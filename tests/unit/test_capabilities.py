@@ -47,6 +47,7 @@ EXPECTED: dict[str, tuple[Build, OptimizerCapabilities]] = {
     "SparseLoCo": (lambda m: optim.SparseLoCo(torch.optim.AdamW(m.parameters()), m, density=0.1), WRAPPED),
     "MaskedLoCo": (lambda m: optim.MaskedLoCo(torch.optim.AdamW(m.parameters()), m, density=0.1), WRAPPED),
     "TopKAdamS": (lambda m: optim.TopKAdamS(m.parameters()), REPLICA),
+    "TopKGradients": (lambda m: optim.TopKGradients(torch.optim.AdamW(m.parameters()), m), IN_STEP),
     "torch.optim.AdamW": (lambda m: torch.optim.AdamW(m.parameters()), PLAIN),
     "torch.optim.SGD": (lambda m: torch.optim.SGD(m.parameters(), lr=0.1), PLAIN),
 }

@@ -54,7 +54,15 @@ DEFAULT_DENSITIES = (0.1, 0.01, 0.001)
 TARGETS = {0.1: 1.02, 0.01: 1.05}
 """Largest acceptable ratio of SCAPE's final validation loss to dense AdamS's, per density."""
 
-ADAMW_BASED = ("local-adamw", "diloco-adamw", "sparseloco-adamw", "maskedloco-adamw", "coded-adamw")
+ADAMW_BASED = (
+    "local-adamw",
+    "diloco-adamw",
+    "periodic-adamw",
+    "sparseloco-adamw",
+    "maskedloco-adamw",
+    "coded-adamw",
+    "topk-adamw",
+)
 """Optimizer choices whose dense reference is AdamW (averaged gradients, same schedule), not AdamS."""
 
 ADAMW_TARGETS = {0.1: 1.03, 0.01: 1.06}
@@ -97,6 +105,8 @@ METHODS = (
     "sparseloco",
     "maskedloco",
     "coded",
+    "topk-adamw",
+    "periodic-adamw",
 )
 """Sparse methods a convergence run can compare, each at every density: SCAPE; LocalAdamS with its defaults (``local``:
 staggered window of changes in the codes of :func:`optim.optimizers.local.auto_wire_bits`, ``window_order="auto"``,
@@ -120,7 +130,11 @@ float32 average and plain AdamS (``periodic``); TopKAdamS (top-k + error feedbac
 and :class:`optim.SparseLoCo` (``sparseloco``: period and chunk-wise top-k of
 :func:`optim.optimizers.sparseloco.sparseloco_plan`, 2-bit codes, error feedback as outer momentum); and a
 candidate of this library's own, :class:`optim.MaskedLoCo` (``maskedloco``: SparseLoCo over a mask of each
-rank's shard agreed one outer step ahead, only values in codes through a reduce-scatter and an all-gather)."""
+rank's shard agreed one outer step ahead, only values in codes through a reduce-scatter and an all-gather);
+:class:`optim.CodedGradients` (``coded``); and two classic baselines around :class:`torch.optim.AdamW`:
+:class:`optim.TopKGradients` (``topk-adamw``: every step the average of every rank's top-k gradient entries, error
+feedback) and periodic averaging (``periodic-adamw``: DiLoCo's period, the replicas' plain average as the outer
+step)."""
 
 _METHOD_OVERRIDES: dict[str, JsonObject] = {
     "scape": {"optimizer": "scape"},
@@ -265,6 +279,8 @@ _METHOD_OVERRIDES: dict[str, JsonObject] = {
     "sparseloco": {"optimizer": "sparseloco-adamw"},
     "maskedloco": {"optimizer": "maskedloco-adamw"},
     "coded": {"optimizer": "coded-adamw"},
+    "topk-adamw": {"optimizer": "topk-adamw"},
+    "periodic-adamw": {"optimizer": "periodic-adamw"},
 }
 
 

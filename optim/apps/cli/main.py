@@ -110,7 +110,10 @@ def _add_train_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
         help="adamw: ShardedAdamW, adams: ShardedAdamS, scape: SCAPE (sparse), local-adams: LocalAdamS (local "
         "steps, parameters averaged a window at a time), topk-adams: TopKAdamS (top-k + error feedback), "
         "allreduce-adamw: bucket all-reduce + torch AdamW, ddp-powersgd-adamw / ddp-sparse-adamw: torch DDP with "
-        "the PowerSGD hook (--powersgd-rank) or sparsecomm's sparse hook (--density) + torch AdamW",
+        "the PowerSGD hook (--powersgd-rank) or sparsecomm's sparse hook (--density) + torch AdamW; torch AdamW "
+        "wrapped at --density's bytes: local-adamw (LocalOptimizer), coded-adamw (CodedGradients), topk-adamw "
+        "(TopKGradients), diloco-adamw / periodic-adamw (DiLoCo, Nesterov or plain averaging), sparseloco-adamw, "
+        "maskedloco-adamw",
     )
     p.add_argument(
         "--density", type=float, default=d.density, help="sparse optimizers: fraction of the dense bytes per step"

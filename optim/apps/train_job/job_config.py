@@ -21,7 +21,7 @@ from optim.optimizers.masked_loco import MaskedLoCo
 from optim.optimizers.scape import MASK_SCORES, SCAPE, UNSELECTED_POLICIES
 from optim.optimizers.sharded import ShardedAdamS, ShardedAdamW
 from optim.optimizers.sparseloco import SparseLoCo
-from optim.optimizers.topk import TopKAdamS
+from optim.optimizers.topk import TopKAdamS, TopKGradients
 from optim.optimizers.wrapping import WrappingOptimizer
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "LOCAL_WIRES",
     "OPTIMIZERS",
     "OUTER_LOOPS",
+    "PERIODIC_OUTER",
     "WRAPPED_ADAMW",
     "SPARSE_OPTIMIZERS",
     "TORCH_ADAMW",
@@ -48,15 +49,19 @@ OPTIMIZERS = (
     "ddp-powersgd-adamw",
     "ddp-sparse-adamw",
     "diloco-adamw",
+    "periodic-adamw",
     "sparseloco-adamw",
     "maskedloco-adamw",
     "coded-adamw",
+    "topk-adamw",
 )
 """Choices of ``TrainConfig.optimizer``: ShardedAdamW, ShardedAdamS, SCAPE, LocalAdamS,
 :class:`torch.optim.AdamW` wrapped by :class:`optim.LocalOptimizer` (``local-adamw``), TopKAdamS,
 :class:`torch.optim.AdamW` inside :class:`optim.DiLoCo`, :class:`optim.SparseLoCo` or :class:`optim.MaskedLoCo` at
-the density's bytes per step (``diloco-adamw``, ``sparseloco-adamw``, ``maskedloco-adamw``), inside
-:class:`optim.CodedGradients` (``coded-adamw``: the average gradient in codes of the density's bytes), and
+the density's bytes per step (``diloco-adamw``, ``sparseloco-adamw``, ``maskedloco-adamw``; ``periodic-adamw``:
+DiLoCo's period with the plain average of the replicas as its outer step), inside
+:class:`optim.CodedGradients` (``coded-adamw``: the average gradient in codes of the density's bytes) or
+:class:`optim.TopKGradients` (``topk-adamw``: the average of every rank's top-k gradient entries), and
 :class:`torch.optim.AdamW` with the gradients
 synchronized outside it: the original bucket all-reduce, or torch's DDP with the PowerSGD hook or sparsecomm's
 sparse hook."""
@@ -68,14 +73,17 @@ SPARSE_OPTIMIZERS = (
     "topk-adams",
     "ddp-sparse-adamw",
     "diloco-adamw",
+    "periodic-adamw",
     "sparseloco-adamw",
     "maskedloco-adamw",
     "coded-adamw",
+    "topk-adamw",
 )
 """The choices that take ``density`` and ``sparse_warmup_steps``."""
 
 OUTER_LOOPS: dict[str, type[DiLoCo] | type[SparseLoCo] | type[MaskedLoCo]] = {
     "diloco-adamw": DiLoCo,
+    "periodic-adamw": DiLoCo,
     "sparseloco-adamw": SparseLoCo,
     "maskedloco-adamw": MaskedLoCo,
 }
@@ -84,9 +92,13 @@ OUTER_LOOPS: dict[str, type[DiLoCo] | type[SparseLoCo] | type[MaskedLoCo]] = {
 WRAPPED_ADAMW: dict[str, type[WrappingOptimizer]] = {
     "local-adamw": LocalOptimizer,
     "coded-adamw": CodedGradients,
+    "topk-adamw": TopKGradients,
     **OUTER_LOOPS,
 }
 """The choices that wrap :class:`torch.optim.AdamW` (:class:`optim.optimizers.wrapping.WrappingOptimizer`)."""
+
+PERIODIC_OUTER: JsonObject = {"outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False}
+"""DiLoCo's outer step for ``periodic-adamw``: the parameters become the replicas' average (periodic averaging)."""
 
 DDP_HOOKS = {"ddp-powersgd-adamw": "powersgd", "ddp-sparse-adamw": "sparse"}
 """The choices that run the model under DDP, and their comm hook (:mod:`optim.apps.train_job.ddp`)."""
@@ -258,7 +270,13 @@ class TrainConfig:
             return self.scape_kwargs()
         if self.optimizer == "diloco-adamw":  # one fp32 all_reduce every 1/density steps
             return {"period": diloco_period(self.density), "warmup_steps": self.sparse_warmup_steps}
-        if self.optimizer in ("sparseloco-adamw", "maskedloco-adamw", "coded-adamw"):  # period and k from the density
+        if self.optimizer == "periodic-adamw":  # the same period, the replicas' plain average as the outer step
+            return {
+                "period": diloco_period(self.density),
+                "warmup_steps": self.sparse_warmup_steps,
+                **PERIODIC_OUTER,
+            }
+        if self.optimizer in ("sparseloco-adamw", "maskedloco-adamw", "coded-adamw", "topk-adamw"):
             return {"density": self.density, "warmup_steps": self.sparse_warmup_steps}
         averaging = {  # LocalAdamS's and LocalOptimizer's averaging (optim.optimizers.averaging.Averaging)
             "density": self.density,
