@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from optim.optimizers.adams import AdamS, adams_step_, adams_step_foreach_, bias_correction_factor, step_bound
 from optim.optimizers.coded_gradients import CodedGradients
+from optim.optimizers.demo import DeMo
 from optim.optimizers.diloco import DiLoCo
 from optim.optimizers.local import LocalAdamS
 from optim.optimizers.local_optimizer import LocalOptimizer
@@ -16,6 +17,7 @@ from optim.optimizers.topk import TopKAdamS, TopKGradients
 __all__ = [
     "AdamS",
     "CodedGradients",
+    "DeMo",
     "DiLoCo",
     "LocalAdamS",
     "LocalOptimizer",

@@ -38,6 +38,7 @@ Build = Callable[[torch.nn.Module], torch.optim.Optimizer]
 EXPECTED: dict[str, tuple[Build, OptimizerCapabilities]] = {
     "AdamS": (lambda m: optim.AdamS(m.parameters()), PLAIN),
     "CodedGradients": (lambda m: optim.CodedGradients(torch.optim.AdamW(m.parameters()), m), IN_STEP),
+    "DeMo": (lambda m: optim.DeMo(torch.optim.SGD(m.parameters(), lr=0.01), m), IN_STEP),
     "DiLoCo": (lambda m: optim.DiLoCo(torch.optim.AdamW(m.parameters()), m), WRAPPED),
     "LocalAdamS": (lambda m: optim.LocalAdamS(m.parameters()), LOCAL),
     "LocalOptimizer": (lambda m: optim.LocalOptimizer(torch.optim.AdamW(m.parameters()), m), WRAPPED),

@@ -62,6 +62,7 @@ ADAMW_BASED = (
     "maskedloco-adamw",
     "coded-adamw",
     "topk-adamw",
+    "demo-sgd",
 )
 """Optimizer choices whose dense reference is AdamW (averaged gradients, same schedule), not AdamS."""
 
@@ -107,6 +108,7 @@ METHODS = (
     "coded",
     "topk-adamw",
     "periodic-adamw",
+    "demo",
 )
 """Sparse methods a convergence run can compare, each at every density: SCAPE; LocalAdamS with its defaults (``local``:
 staggered window of changes in the codes of :func:`optim.optimizers.local.auto_wire_bits`, ``window_order="auto"``,
@@ -134,7 +136,8 @@ rank's shard agreed one outer step ahead, only values in codes through a reduce-
 :class:`optim.CodedGradients` (``coded``); and two classic baselines around :class:`torch.optim.AdamW`:
 :class:`optim.TopKGradients` (``topk-adamw``: every step the average of every rank's top-k gradient entries, error
 feedback) and periodic averaging (``periodic-adamw``: DiLoCo's period, the replicas' plain average as the outer
-step)."""
+step); and :class:`optim.DeMo` around :class:`torch.optim.SGD` at AdamW's learning rate and weight decay (``demo``:
+the sign of the ranks' averaged fast DCT components of their own momenta), judged against dense AdamW."""
 
 _METHOD_OVERRIDES: dict[str, JsonObject] = {
     "scape": {"optimizer": "scape"},
@@ -281,6 +284,7 @@ _METHOD_OVERRIDES: dict[str, JsonObject] = {
     "coded": {"optimizer": "coded-adamw"},
     "topk-adamw": {"optimizer": "topk-adamw"},
     "periodic-adamw": {"optimizer": "periodic-adamw"},
+    "demo": {"optimizer": "demo-sgd"},
 }
 
 

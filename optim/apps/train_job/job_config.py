@@ -14,6 +14,7 @@ from optim.apps.train_job.data import DEFAULT_MAX_BYTES
 from optim.apps.train_job.model import GPTConfig
 from optim.apps.train_job.tasks import TaskSpec, check_choices
 from optim.optimizers.coded_gradients import CodedGradients
+from optim.optimizers.demo import DeMo
 from optim.optimizers.diloco import DiLoCo, diloco_period
 from optim.optimizers.local import LOCAL_SCHEDULES, NORMALIZERS, WINDOW_ORDERS, LocalAdamS
 from optim.optimizers.local_optimizer import NOISE, LocalOptimizer
@@ -31,6 +32,8 @@ __all__ = [
     "OUTER_LOOPS",
     "PERIODIC_OUTER",
     "WRAPPED_ADAMW",
+    "WRAPPED_SGD",
+    "WRAPPERS",
     "SPARSE_OPTIMIZERS",
     "TORCH_ADAMW",
     "TrainConfig",
@@ -54,6 +57,7 @@ OPTIMIZERS = (
     "maskedloco-adamw",
     "coded-adamw",
     "topk-adamw",
+    "demo-sgd",
 )
 """Choices of ``TrainConfig.optimizer``: ShardedAdamW, ShardedAdamS, SCAPE, LocalAdamS,
 :class:`torch.optim.AdamW` wrapped by :class:`optim.LocalOptimizer` (``local-adamw``), TopKAdamS,
@@ -61,7 +65,9 @@ OPTIMIZERS = (
 the density's bytes per step (``diloco-adamw``, ``sparseloco-adamw``, ``maskedloco-adamw``; ``periodic-adamw``:
 DiLoCo's period with the plain average of the replicas as its outer step), inside
 :class:`optim.CodedGradients` (``coded-adamw``: the average gradient in codes of the density's bytes) or
-:class:`optim.TopKGradients` (``topk-adamw``: the average of every rank's top-k gradient entries), and
+:class:`optim.TopKGradients` (``topk-adamw``: the average of every rank's top-k gradient entries),
+:class:`torch.optim.SGD` inside :class:`optim.DeMo` (``demo-sgd``: DeMo's signum step on the ranks' fast momentum
+components), and
 :class:`torch.optim.AdamW` with the gradients
 synchronized outside it: the original bucket all-reduce, or torch's DDP with the PowerSGD hook or sparsecomm's
 sparse hook."""
@@ -78,6 +84,7 @@ SPARSE_OPTIMIZERS = (
     "maskedloco-adamw",
     "coded-adamw",
     "topk-adamw",
+    "demo-sgd",
 )
 """The choices that take ``density`` and ``sparse_warmup_steps``."""
 
@@ -96,6 +103,12 @@ WRAPPED_ADAMW: dict[str, type[WrappingOptimizer]] = {
     **OUTER_LOOPS,
 }
 """The choices that wrap :class:`torch.optim.AdamW` (:class:`optim.optimizers.wrapping.WrappingOptimizer`)."""
+
+WRAPPED_SGD: dict[str, type[WrappingOptimizer]] = {"demo-sgd": DeMo}
+"""The choices that wrap :class:`torch.optim.SGD` without momentum (DeMo's step: ``lr * (sign(Q) + wd * theta)``)."""
+
+WRAPPERS: dict[str, type[WrappingOptimizer]] = {**WRAPPED_ADAMW, **WRAPPED_SGD}
+"""Every choice that wraps a torch optimizer, and its wrapper."""
 
 PERIODIC_OUTER: JsonObject = {"outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False}
 """DiLoCo's outer step for ``periodic-adamw``: the parameters become the replicas' average (periodic averaging)."""
@@ -255,9 +268,12 @@ class TrainConfig:
         if self.optimizer in TORCH_ADAMW:
             out = {"name": self.optimizer, "class": "torch.optim.AdamW", "grad_clip": self.grad_clip, **common}
             return {**out, **self.sparse_kwargs()}
-        if self.optimizer in WRAPPED_ADAMW:
-            wrapper = WRAPPED_ADAMW[self.optimizer].__name__
-            out = {"name": self.optimizer, "class": f"optim.{wrapper}(torch.optim.AdamW)", **common}
+        if self.optimizer in WRAPPERS:
+            inner = "SGD" if self.optimizer in WRAPPED_SGD else "AdamW"
+            wrapper = WRAPPERS[self.optimizer].__name__
+            if inner == "SGD":
+                common = {"lr": self.lr, "weight_decay": self.weight_decay}
+            out = {"name": self.optimizer, "class": f"optim.{wrapper}(torch.optim.{inner})", **common}
             return {**out, "max_grad_norm": self.grad_clip, **self.sparse_kwargs()}
         cls = _CLASSES[self.optimizer]
         out = {"name": self.optimizer, "class": f"optim.{cls.__name__}", **common, "max_grad_norm": self.grad_clip}
@@ -276,7 +292,7 @@ class TrainConfig:
                 "warmup_steps": self.sparse_warmup_steps,
                 **PERIODIC_OUTER,
             }
-        if self.optimizer in ("sparseloco-adamw", "maskedloco-adamw", "coded-adamw", "topk-adamw"):
+        if self.optimizer in ("sparseloco-adamw", "maskedloco-adamw", "coded-adamw", "topk-adamw", "demo-sgd"):
             return {"density": self.density, "warmup_steps": self.sparse_warmup_steps}
         averaging = {  # LocalAdamS's and LocalOptimizer's averaging (optim.optimizers.averaging.Averaging)
             "density": self.density,
@@ -324,9 +340,15 @@ def build_optimizer(config: TrainConfig, model: torch.nn.Module) -> torch.optim.
     Weight decay applies to parameters with ``dim() >= 2`` only, for every choice.
     """
     params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    if config.optimizer in WRAPPED_SGD:
+        sgd = torch.optim.SGD(
+            [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=config.lr,
+        )
+        return WRAPPED_SGD[config.optimizer](sgd, model, max_grad_norm=config.grad_clip, **config.sparse_kwargs())
     if config.optimizer in TORCH_ADAMW or config.optimizer in WRAPPED_ADAMW:
-        decay = [p for p in params if p.dim() >= 2]
-        no_decay = [p for p in params if p.dim() < 2]
         adamw = torch.optim.AdamW(
             [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=config.lr,

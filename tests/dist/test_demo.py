@@ -1,0 +1,204 @@
+"""DeMo (decoupled momentum, the ranks' fast DCT components averaged) on spawned gloo ranks.
+
+* Every step's parameters equal, bit for bit, those of the ranks simulated in
+  one process (dense warm-up, then each rank's top-k DCT components of its
+  momentum per chunk); the replicas stay one model; wire bytes per step are the plan's.
+* The plan fits the density; the DCT basis is orthonormal; state dicts resume
+  bit for bit; bad input raises on every rank.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+from tests.dist.harness import build_outcome, case_on_rank, run_ranks
+from tests.dist.test_local import _loss, _model
+
+pytestmark = pytest.mark.dist
+
+STEPS, WARM, DENSITY, BETA, LR = 8, 2, 0.2, 0.9, 0.01
+
+
+def _flat(model: torch.nn.Module) -> torch.Tensor:
+    return torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
+
+
+def _simulate(ws: int) -> list[torch.Tensor]:
+    """The model after every step, all in this process."""
+    from optim.optimizers.demo import dct_basis, demo_plan
+
+    plan = demo_plan(DENSITY, ws)
+    c, k = plan.chunk, plan.k
+    basis = dct_basis(c)
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=LR, weight_decay=0.1)
+    n = _flat(model).numel()
+    chunks = -(-n // c)
+    mom = [torch.zeros(chunks * c) for _ in range(ws)]
+    flats = []
+    for t in range(STEPS):
+        grads = []
+        for r in range(ws):
+            model.zero_grad()
+            _loss(model, r, t).backward()
+            g = torch.nn.utils.parameters_to_vector([p.grad for p in model.parameters()])  # type: ignore[misc]
+            grads.append(torch.cat([g, torch.zeros(chunks * c - n)]))
+        if t < WARM:
+            avg = sum(grads) / ws
+            for r in range(ws):
+                mom[r] = mom[r] * BETA + avg
+            q = mom[0].clone()
+            mom = [torch.zeros_like(m) for m in mom]
+        else:
+            total = torch.zeros(chunks, c)
+            for r in range(ws):
+                mom[r] = mom[r] * BETA + grads[r]
+                spec = mom[r].view(chunks, c) @ basis.T
+                idx = torch.topk(spec.abs(), k, dim=1, sorted=False).indices
+                sent = torch.zeros_like(spec).scatter_(1, idx, spec.gather(1, idx))
+                mom[r] = (mom[r].view(chunks, c) - sent @ basis).view(-1)
+                total += sent
+            q = ((total / ws) @ basis).view(-1)
+        step = torch.sign(q[:n])
+        off = 0
+        for p in model.parameters():
+            p.grad = step[off : off + p.numel()].view(p.shape).clone()
+            off += p.numel()
+        inner.step()
+        flats.append(_flat(model))
+    return flats
+
+
+def _run(rank: int, ws: int) -> dict[str, Any]:
+    from optim import DeMo
+
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=LR, weight_decay=0.1)
+    opt = DeMo(inner, model, density=DENSITY, beta=BETA, warmup_steps=WARM)
+    stats = opt.communicator.stats
+    flats, sent = [], []
+    for t in range(STEPS):
+        before = stats.as_dict().get("demo", {"bytes_sent": 0})["bytes_sent"]
+        opt.zero_grad()
+        _loss(model, rank, t).backward()
+        opt.step()
+        sent.append(stats.as_dict().get("demo", {"bytes_sent": 0})["bytes_sent"] - before)
+        flats.append(_flat(model).tolist())
+    return {"flats": flats, "sent": sent, "chunk": opt.plan.chunk, "k": opt.plan.k, "numel": opt.bucket.numel}
+
+
+def test_every_step_is_the_ranks_simulated_in_one_process() -> None:
+    ws = 2
+    res = run_ranks(_run, ws, timeout=60)
+    ref = _simulate(ws)
+    for t in range(STEPS):
+        assert res[0]["flats"][t] == res[1]["flats"][t], f"step {t}: the replicas differ"
+        assert torch.equal(torch.tensor(res[0]["flats"][t]), ref[t]), f"step {t}"
+    chunks = -(-res[0]["numel"] // res[0]["chunk"])
+    width = (res[0]["chunk"] - 1).bit_length()
+    payload = chunks * res[0]["k"] * 4 + -(-chunks * res[0]["k"] * width // 8)
+    for t, b in enumerate(res[0]["sent"][WARM:]):  # one all_gather of values and positions to the other rank
+        assert b == payload, t
+
+
+@pytest.mark.parametrize("ws", [2, 4, 8])
+@pytest.mark.parametrize("density", [0.1, 0.01, 0.001, 0.5])
+def test_the_plan_fits_the_density(density: float, ws: int) -> None:
+    from optim.optimizers.demo import MIN_CHUNK, demo_plan
+
+    plan = demo_plan(density, ws)
+    assert plan.cost(ws) <= density
+    assert plan.k >= 1 and plan.chunk >= MIN_CHUNK
+    bigger = type(plan)(chunk=plan.chunk, k=plan.k + 1)
+    assert plan.k == plan.chunk or bigger.cost(ws) > density  # the most components that fit
+    if plan.chunk > MIN_CHUNK:  # and the shortest chunk that fits one
+        assert type(plan)(chunk=plan.chunk // 2, k=1).cost(ws) > density
+
+
+def test_dct_basis_is_orthonormal() -> None:
+    from optim.optimizers.demo import dct_basis
+
+    for n in (4, 64, 256):
+        c = dct_basis(n).double()
+        assert torch.allclose(c @ c.T, torch.eye(n, dtype=torch.float64), atol=1e-5)
+    x = torch.arange(8.0)
+    assert torch.allclose((x @ dct_basis(8).T)[0], x.sum() / 8**0.5)  # the first component is the mean's
+
+
+def _resume(rank: int, ws: int, cut: int) -> dict[str, Any]:
+    from optim import DeMo
+
+    def build(model: torch.nn.Module) -> DeMo:
+        return DeMo(torch.optim.SGD(model.parameters(), lr=LR), model, density=DENSITY, warmup_steps=WARM)
+
+    runs = []
+    for resumed in (False, True):
+        model = _model()
+        opt = build(model)
+        saved: dict[str, Any] = {}
+        for t in range(STEPS):
+            if resumed and t == cut:
+                model = _model(seed=7)
+                opt = build(model)
+                with torch.no_grad():
+                    torch.nn.utils.vector_to_parameters(saved["params"], model.parameters())
+                opt.load_state_dict(saved["state"])
+            opt.zero_grad()
+            _loss(model, rank, t).backward()
+            opt.step()
+            if t == cut - 1:
+                saved = {"params": _flat(model), "state": copy.deepcopy(opt.state_dict())}
+        runs.append((_flat(model).tolist(), opt.state_dict()["demo"]))
+    (a, sa), (b, sb) = runs
+    return {"same": a == b and torch.equal(sa["momentum"], sb["momentum"]), "step": sb["step"]}
+
+
+@pytest.mark.parametrize("cut", [1, 5])
+def test_state_dict_resumes_bit_for_bit(cut: int) -> None:
+    for r in run_ranks(_resume, 2, cut, timeout=60):
+        assert r["same"] and r["step"] == STEPS, r
+
+
+BAD: dict[str, dict[str, Any]] = {
+    "density": {"density": 1e-7},
+    "beta": {"beta": 1.0},
+    "sign": {"sign": "yes"},
+    "warmup": {"warmup_steps": -1},
+    "clip": {"max_grad_norm": -1.0},
+}
+
+
+def _bad(rank: int, ws: int, case: str) -> str:
+    import optim
+
+    model = _model()
+    inner: object = torch.optim.SGD(model.parameters(), lr=0.01)
+    mine = case_on_rank(case, rank)
+    kw = {"beta": 0.9 + 0.05 * rank} if mine == "settings-differ" else BAD.get(mine, {})
+    if mine == "wrapper":
+        inner = optim.TopKGradients(inner, model)  # type: ignore[arg-type]
+    elif mine == "twice":
+        optim.DeMo(inner, model)  # type: ignore[arg-type]
+    return build_outcome(lambda: optim.DeMo(inner, model, **kw))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("case", "kind", "words"),
+    [
+        ("wrapper", "TypeError", "synchronizes the ranks itself"),
+        ("twice", "ValueError", "already wrapped"),
+        ("density", "ValueError", "too small for DeMo"),
+        ("beta", "ValueError", "Invalid beta"),
+        ("sign", "ValueError", "Invalid sign"),
+        ("warmup", "ValueError", "Invalid warmup_steps"),
+        ("clip", "ValueError", "Invalid max_grad_norm"),
+        ("settings-differ", "ValueError", "differ between ranks"),
+    ],
+)
+def test_bad_input_raises_on_every_rank(case: str, kind: str, words: str) -> None:
+    for r in run_ranks(_bad, 2, case, timeout=60):
+        assert r.startswith(kind) and words in r, r
