@@ -1,7 +1,9 @@
 """A plain ``torch.optim`` optimizer wrapped so that every rank steps its own replica (:class:`WrappingOptimizer`).
 
-The base of :class:`optim.LocalOptimizer`, :class:`optim.DiLoCo` and
-:class:`optim.SparseLoCo`: it checks what it wraps (before any communication
+The base of :class:`optim.LocalOptimizer`, :class:`optim.DiLoCo`,
+:class:`optim.SparseLoCo`, :class:`optim.MaskedLoCo`, and of those whose replicas
+never differ (:class:`optim.CodedGradients`, :class:`optim.TopKGradients`,
+:class:`optim.DeMo`): it checks what it wraps (before any communication
 but one small agreement, the same on every rank), makes the parameters views
 of one flat fp32 buffer (the replica, which the subclass averages or moves in
 place), hands ``param_groups``, ``state`` and ``defaults`` through to the
