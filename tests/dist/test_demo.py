@@ -107,16 +107,34 @@ def test_every_step_is_the_ranks_simulated_in_one_process() -> None:
 
 @pytest.mark.parametrize("ws", [2, 4, 8])
 @pytest.mark.parametrize("density", [0.1, 0.01, 0.001, 0.5])
-def test_the_plan_fits_the_density(density: float, ws: int) -> None:
-    from optim.optimizers.demo import MIN_CHUNK, demo_plan
+def test_the_plan_fills_the_density_best(density: float, ws: int) -> None:
+    from optim.optimizers.demo import MAX_CHUNK, MIN_CHUNK, DeMoPlan, demo_plan
 
+    if DeMoPlan(chunk=MAX_CHUNK, k=1).cost(ws) > density:  # not one component of the longest chunk fits
+        with pytest.raises(ValueError, match="too small for DeMo"):
+            demo_plan(density, ws)
+        return
     plan = demo_plan(density, ws)
-    assert plan.cost(ws) <= density
-    assert plan.k >= 1 and plan.chunk >= MIN_CHUNK
-    bigger = type(plan)(chunk=plan.chunk, k=plan.k + 1)
-    assert plan.k == plan.chunk or bigger.cost(ws) > density  # the most components that fit
-    if plan.chunk > MIN_CHUNK:  # and the shortest chunk that fits one
-        assert type(plan)(chunk=plan.chunk // 2, k=1).cost(ws) > density
+    assert plan.cost(ws) <= density and plan.k >= 1
+    assert MIN_CHUNK <= plan.chunk <= MAX_CHUNK
+    chunk = MIN_CHUNK
+    while chunk <= MAX_CHUNK:  # no other chunk's most components that fit come closer
+        for k in range(1, chunk + 1):
+            other = DeMoPlan(chunk=chunk, k=k)
+            if other.cost(ws) > density:
+                break
+            assert other.cost(ws) <= plan.cost(ws)
+        chunk *= 2
+
+
+def test_the_plan_at_four_ranks() -> None:
+    from optim.optimizers.demo import DeMoPlan, demo_plan
+
+    assert demo_plan(0.1, 4) == DeMoPlan(chunk=1024, k=39)
+    assert demo_plan(0.01, 4) == DeMoPlan(chunk=256, k=1)
+    assert demo_plan(0.001, 4) == DeMoPlan(chunk=4096, k=1)
+    with pytest.raises(ValueError, match="too small for DeMo"):
+        demo_plan(0.0005, 4)
 
 
 def test_dct_basis_is_orthonormal() -> None:
