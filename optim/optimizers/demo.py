@@ -191,7 +191,7 @@ class DeMo(WrappingOptimizer):
             with self._comm.stats.scope("demo"):
                 self._comm.all_reduce(g, ReduceOp.AVG)
         m.mul_(self.beta)[:n].add_(g[:n])
-        if warm or b.world_size == 1:
+        if warm:
             q = self._work.copy_(m)  # every component (dense)
             m.zero_()
         else:
