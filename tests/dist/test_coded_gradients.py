@@ -21,6 +21,7 @@ import torch
 from sparsecomm.quantized import Quantizer
 from tests.dist.harness import build_outcome, case_on_rank, run_ranks
 from tests.dist.test_local import _loss, _model
+from tests.dist.wrapped import resumed_run
 
 pytestmark = pytest.mark.dist
 
@@ -164,45 +165,19 @@ def test_error_feedback_loses_nothing(adam: bool) -> None:
     assert float(held[:n].abs().max()) > 1e-3  # the codes did drop something
 
 
-def _resume(rank: int, ws: int, cut: int, into: int) -> dict[str, Any]:
-    """Train STEPS steps; again with the state after step ``cut`` saved and loaded into a new optimizer.
-
-    ``into``: the world size whose layout the saved state is loaded under (its own: bit for bit).
-    """
+def _resume(rank: int, ws: int, cut: int) -> dict[str, Any]:
     from optim import CodedGradients
 
     def build(model: torch.nn.Module) -> CodedGradients:
         return CodedGradients(torch.optim.AdamW(model.parameters(), lr=0.05), model, warmup_steps=WARM)
 
-    runs = []
-    for resumed in (False, True):
-        model = _model()
-        opt = build(model)
-        saved: dict[str, Any] = {}
-        for t in range(STEPS):
-            if resumed and t == cut:
-                model = _model(seed=7)
-                opt = build(model)
-                with torch.no_grad():
-                    torch.nn.utils.vector_to_parameters(saved["params"], model.parameters())
-                opt.load_state_dict(saved["state"])
-            opt.zero_grad()
-            _loss(model, rank, t).backward()
-            opt.step()
-            if t == cut - 1:
-                saved = {"params": _flat(model), "state": copy.deepcopy(opt.state_dict())}
-        runs.append((_flat(model).tolist(), opt.state_dict()["coded"]))
-    (a, sa), (b, sb) = runs
-    return {
-        "same": a == b and all(torch.equal(sa[k], sb[k]) for k in ("residual", "own_residual")),
-        "step": sb["step"],
-    }
+    return resumed_run(rank, build, "coded", ("residual", "own_residual"), cut, STEPS)
 
 
 @pytest.mark.parametrize("cut", [1, 5])
 def test_state_dict_resumes_bit_for_bit(cut: int) -> None:
     """Cut in the warm-up (after step 1) and in the coded steps (after step 5, both residuals non-zero)."""
-    for r in run_ranks(_resume, 2, cut, 2, timeout=60):
+    for r in run_ranks(_resume, 2, cut, timeout=60):
         assert r["same"] and r["step"] == STEPS, r
 
 

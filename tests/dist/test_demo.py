@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import pytest
@@ -17,6 +16,7 @@ import torch
 
 from tests.dist.harness import build_outcome, case_on_rank, run_ranks
 from tests.dist.test_local import _loss, _model
+from tests.dist.wrapped import resumed_run
 
 pytestmark = pytest.mark.dist
 
@@ -153,26 +153,7 @@ def _resume(rank: int, ws: int, cut: int) -> dict[str, Any]:
     def build(model: torch.nn.Module) -> DeMo:
         return DeMo(torch.optim.SGD(model.parameters(), lr=LR), model, density=DENSITY, warmup_steps=WARM)
 
-    runs = []
-    for resumed in (False, True):
-        model = _model()
-        opt = build(model)
-        saved: dict[str, Any] = {}
-        for t in range(STEPS):
-            if resumed and t == cut:
-                model = _model(seed=7)
-                opt = build(model)
-                with torch.no_grad():
-                    torch.nn.utils.vector_to_parameters(saved["params"], model.parameters())
-                opt.load_state_dict(saved["state"])
-            opt.zero_grad()
-            _loss(model, rank, t).backward()
-            opt.step()
-            if t == cut - 1:
-                saved = {"params": _flat(model), "state": copy.deepcopy(opt.state_dict())}
-        runs.append((_flat(model).tolist(), opt.state_dict()["demo"]))
-    (a, sa), (b, sb) = runs
-    return {"same": a == b and torch.equal(sa["momentum"], sb["momentum"]), "step": sb["step"]}
+    return resumed_run(rank, build, "demo", ("momentum",), cut, STEPS)
 
 
 @pytest.mark.parametrize("cut", [1, 5])

@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import pytest
@@ -18,6 +17,7 @@ import torch
 
 from tests.dist.harness import build_outcome, case_on_rank, run_ranks
 from tests.dist.test_local import _loss, _model
+from tests.dist.wrapped import resumed_run
 
 pytestmark = pytest.mark.dist
 
@@ -122,32 +122,12 @@ def test_error_feedback_loses_nothing() -> None:
 
 
 def _resume(rank: int, ws: int, cut: int) -> dict[str, Any]:
-    """Train STEPS steps; again with the state after step ``cut`` saved and loaded into a new optimizer."""
     from optim import TopKGradients
 
     def build(model: torch.nn.Module) -> TopKGradients:
         return TopKGradients(torch.optim.AdamW(model.parameters(), lr=0.05), model, density=0.1, warmup_steps=WARM)
 
-    runs = []
-    for resumed in (False, True):
-        model = _model()
-        opt = build(model)
-        saved: dict[str, Any] = {}
-        for t in range(STEPS):
-            if resumed and t == cut:
-                model = _model(seed=7)
-                opt = build(model)
-                with torch.no_grad():
-                    torch.nn.utils.vector_to_parameters(saved["params"], model.parameters())
-                opt.load_state_dict(saved["state"])
-            opt.zero_grad()
-            _loss(model, rank, t).backward()
-            opt.step()
-            if t == cut - 1:
-                saved = {"params": _flat(model), "state": copy.deepcopy(opt.state_dict())}
-        runs.append((_flat(model).tolist(), opt.state_dict()["topk"]))
-    (a, sa), (b, sb) = runs
-    return {"same": a == b and torch.equal(sa["residual"], sb["residual"]), "step": sb["step"]}
+    return resumed_run(rank, build, "topk", ("residual",), cut, STEPS)
 
 
 @pytest.mark.parametrize("cut", [1, 5])
