@@ -40,8 +40,7 @@ from torch.optim import Optimizer
 from torch.optim.optimizer import StateDict
 
 from bindings.validate import check_choice, check_density, check_int
-from optim.optimizers.capabilities import OptimizerCapabilities, StateLayout
-from optim.optimizers.wrapping import WrappingOptimizer, adam_moments, set_grads
+from optim.optimizers.wrapping import SameReplicaWrapper, adam_moments, set_grads
 from sparsecomm.quantized import QUANT_BITS, Quantizer, quantized_all_reduce
 
 __all__ = [
@@ -103,7 +102,7 @@ def coded_bits(density: float) -> tuple[int, int]:
     )
 
 
-class CodedGradients(WrappingOptimizer):
+class CodedGradients(SameReplicaWrapper):
     """Wrap ``optimizer``: every step it steps on the ranks' average gradient, averaged in low-bit codes.
 
     See the module docstring.
@@ -133,8 +132,6 @@ class CodedGradients(WrappingOptimizer):
             one small agreement).
     """
 
-    capabilities = OptimizerCapabilities(layout=StateLayout.REPLICATED, replicas_drift=False, own_snapshots=False)
-    """Every rank steps the same replica on the same average gradient; snapshots: ``state_dict()``, parameters."""
     _STATE_KEY = "coded"
 
     def __init__(
@@ -182,9 +179,6 @@ class CodedGradients(WrappingOptimizer):
         self._residual = b.new_flat()  # what this rank's codes dropped, added to its next gradient
         self._own_residual = b.new_shard()  # what the codes of this rank's chunk of the average dropped
         self._scale = b.new_flat() if self.precondition == "adam" else None  # Adam's denominator, per position
-
-    def _average_replicas(self) -> None:
-        """The replicas are the same on every rank: nothing to average."""
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -280,16 +274,9 @@ class CodedGradients(WrappingOptimizer):
             ValueError: Not a CodedGradients' state dict of this model.
         """
         coded, step, rank = self._read_entry(state_dict)
-        b = self._bucket
-        residual, own = coded.get("residual"), coded.get("own_residual")
-        for name, t in (("residual", residual), ("own_residual", own)):
-            if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.float32:
-                raise ValueError(f"state_dict: {name} missing or not a flat float32 buffer")
-        assert isinstance(residual, torch.Tensor) and isinstance(own, torch.Tensor)
-        if residual.numel() < b.numel:
-            raise ValueError(f"state_dict: residual holds {residual.numel()} values, the model {b.numel}")
+        residual = self._flat_entry(coded, "residual")
+        own = self._flat_entry(coded, "own_residual", model_sized=False)
         self._load_wrapped(state_dict)
-        self._residual.zero_()
-        self._residual[: b.numel].copy_(residual[: b.numel])
-        b.take_own(self._own_residual, own, rank)
+        self._take_model_part(self._residual, residual)
+        self._bucket.take_own(self._own_residual, own, rank)
         self._step = step

@@ -40,9 +40,8 @@ from torch.optim.optimizer import StateDict
 
 from bindings import ReduceOp
 from bindings.validate import check_density, check_float, check_int
-from optim.optimizers.capabilities import OptimizerCapabilities, StateLayout
 from optim.optimizers.sparseloco import pack_indices, unpack_indices
-from optim.optimizers.wrapping import WrappingOptimizer, set_grads
+from optim.optimizers.wrapping import SameReplicaWrapper, set_grads
 
 __all__ = ["MAX_CHUNK", "MIN_CHUNK", "DeMo", "DeMoPlan", "dct_basis", "demo_plan"]
 
@@ -100,7 +99,7 @@ def dct_basis(n: int) -> Tensor:
     return c.float()
 
 
-class DeMo(WrappingOptimizer):
+class DeMo(SameReplicaWrapper):
     """Wrap ``optimizer`` (SGD in the paper): every step it steps on the sign of the ranks' fast momentum components.
 
     See the module docstring.
@@ -124,8 +123,6 @@ class DeMo(WrappingOptimizer):
             communication but one small agreement).
     """
 
-    capabilities = OptimizerCapabilities(layout=StateLayout.REPLICATED, replicas_drift=False, own_snapshots=False)
-    """Every rank takes the same step; snapshots: ``state_dict()`` and the parameters."""
     _STATE_KEY = "demo"
 
     def __init__(
@@ -161,9 +158,6 @@ class DeMo(WrappingOptimizer):
         self._momentum = torch.zeros(self._chunks * c, dtype=torch.float32, device=b.device)
         self._work = torch.zeros_like(self._momentum)
         self._basis = dct_basis(c).to(b.device)
-
-    def _average_replicas(self) -> None:
-        """The replicas are the same on every rank: nothing to average."""
 
     @property
     def momentum(self) -> Tensor:
@@ -242,9 +236,9 @@ class DeMo(WrappingOptimizer):
             ValueError: Not a DeMo state dict of this model and chunk.
         """
         entry, step, _ = self._read_entry(state_dict)
-        mom = entry.get("momentum")
-        if not isinstance(mom, torch.Tensor) or mom.dtype != torch.float32 or mom.shape != self._momentum.shape:
-            raise ValueError(f"state_dict: momentum missing or not a flat float32 buffer of {self._momentum.numel()}")
+        mom = self._flat_entry(entry, "momentum")
+        if mom.shape != self._momentum.shape:  # the chunks' padding too: the same chunk
+            raise ValueError(f"state_dict: momentum holds {mom.numel()} values, this chunking {self._momentum.numel()}")
         self._load_wrapped(state_dict)
         self._momentum.copy_(mom)
         self._step = step

@@ -25,9 +25,8 @@ from torch.optim import Optimizer
 from torch.optim.optimizer import ParamsT, StateDict
 
 from bindings.validate import check_density, check_int
-from optim.optimizers.capabilities import OptimizerCapabilities, StateLayout
 from optim.optimizers.replicated import ReplicatedAdamS
-from optim.optimizers.wrapping import WrappingOptimizer, set_grads
+from optim.optimizers.wrapping import SameReplicaWrapper, set_grads
 from sparsecomm.mask import k_for
 
 __all__ = ["TopKAdamS", "TopKGradients", "topk_average"]
@@ -119,7 +118,7 @@ class TopKAdamS(ReplicatedAdamS):
         return {**super()._full_state(), "residual": self._residual}
 
 
-class TopKGradients(WrappingOptimizer):
+class TopKGradients(SameReplicaWrapper):
     """Wrap ``optimizer``: every step it steps on the average of every rank's top-k gradient entries (a baseline).
 
     See the module docstring. Every rank steps the wrapped optimizer on the
@@ -144,8 +143,6 @@ class TopKGradients(WrappingOptimizer):
             one small agreement).
     """
 
-    capabilities = OptimizerCapabilities(layout=StateLayout.REPLICATED, replicas_drift=False, own_snapshots=False)
-    """Every rank steps the same replica on the same average gradient; snapshots: ``state_dict()``, parameters."""
     _STATE_KEY = "topk"
 
     def __init__(
@@ -172,9 +169,6 @@ class TopKGradients(WrappingOptimizer):
 
     def _make_buffers(self) -> None:
         self._residual = self._bucket.new_flat()  # what this rank has not sent yet
-
-    def _average_replicas(self) -> None:
-        """The replicas are the same on every rank: nothing to average."""
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -215,13 +209,7 @@ class TopKGradients(WrappingOptimizer):
             ValueError: Not a TopKGradients' state dict of this model.
         """
         entry, step, _ = self._read_entry(state_dict)
-        b = self._bucket
-        residual = entry.get("residual")
-        if not isinstance(residual, torch.Tensor) or residual.dim() != 1 or residual.dtype != torch.float32:
-            raise ValueError("state_dict: residual missing or not a flat float32 buffer")
-        if residual.numel() < b.numel:
-            raise ValueError(f"state_dict: residual holds {residual.numel()} values, the model {b.numel}")
+        residual = self._flat_entry(entry, "residual")
         self._load_wrapped(state_dict)
-        self._residual.zero_()
-        self._residual[: b.numel].copy_(residual[: b.numel])
+        self._take_model_part(self._residual, residual)
         self._step = step

@@ -33,7 +33,15 @@ from optim.optimizers.capabilities import OptimizerCapabilities, ParamGroup, Sta
 from optim.optimizers.noise import MeanNorm
 from optim.optimizers.sharded import agree
 
-__all__ = ["ADAM_MOMENTS", "WrappingOptimizer", "adam_moments", "average_grads", "check_inner", "set_grads"]
+__all__ = [
+    "ADAM_MOMENTS",
+    "SameReplicaWrapper",
+    "WrappingOptimizer",
+    "adam_moments",
+    "average_grads",
+    "check_inner",
+    "set_grads",
+]
 
 ADAM_MOMENTS = (torch.optim.Adam, torch.optim.AdamW)
 """The optimizers whose state a wrapper may read and correct: ``exp_avg``, ``exp_avg_sq`` and ``step`` per parameter."""
@@ -299,3 +307,37 @@ class WrappingOptimizer(OnFlatBucket, Optimizer):
             else:
                 self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm))
         self.optimizer.step()
+
+
+class SameReplicaWrapper(WrappingOptimizer):
+    """A wrapper whose ranks step the same replica on the same exchanged gradient: the replicas never differ.
+
+    The base of :class:`optim.CodedGradients`, :class:`optim.TopKGradients` and :class:`optim.DeMo`.
+    """
+
+    capabilities = OptimizerCapabilities(layout=StateLayout.REPLICATED, replicas_drift=False, own_snapshots=False)
+    """Every rank takes the same step; snapshots: ``state_dict()`` and the parameters."""
+
+    def _average_replicas(self) -> None:
+        """The replicas are the same on every rank: nothing to average."""
+
+    def _flat_entry(self, entry: StateDict, name: str, *, model_sized: bool = True) -> Tensor:
+        """``entry[name]``, checked: a flat float32 buffer, at least as long as the model if ``model_sized``.
+
+        Raises:
+            ValueError: Missing, not a flat float32 buffer, or shorter than the model.
+        """
+        t = entry.get(name)
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.float32:
+            raise ValueError(f"state_dict: {name} missing or not a flat float32 buffer")
+        n = self._bucket.numel
+        if model_sized and t.numel() < n:
+            raise ValueError(f"state_dict: {name} holds {t.numel()} values, the model {n}")
+        return t
+
+    @torch.no_grad()
+    def _take_model_part(self, into: Tensor, saved: Tensor) -> None:
+        """Copy the model's positions of ``saved`` (padded for any world size) into ``into``; zero the rest."""
+        n = self._bucket.numel
+        into.zero_()
+        into[:n].copy_(saved[:n])

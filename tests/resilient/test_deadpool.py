@@ -179,7 +179,9 @@ def test_hotswap_mid_run_is_bitwise_transparent(tmp_path: Path, reference) -> No
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("optimizer", ["adams", "adamw", "local-adams", "local-adamw", "topk-adams", "coded-adamw"])
+@pytest.mark.parametrize(
+    "optimizer", ["adams", "adamw", "local-adams", "local-adamw", "topk-adams", "coded-adamw", "topk-adamw", "demo-sgd"]
+)
 def test_hotswap_dense_baselines_are_bitwise_transparent(tmp_path: Path, reference, optimizer: str) -> None:
     config = _config(optimizer)
     _killed_run(config, reference, tmp_path, spares=1, kills=((1, 9),), name=f"{optimizer} kill 1@9")
