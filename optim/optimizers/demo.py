@@ -21,7 +21,9 @@ Wire bytes: one all_gather per step of each rank's ``m * k`` fp32 values and
 their positions in ``w = log2(c)`` bits (``m`` chunks), against a dense fp32
 all_reduce's ``2 (P - 1) / P * 4N`` per rank: a fraction
 ``k * (4 + w / 8) * P / (8 c)`` (:func:`demo_plan`: at 4 ranks, chunks of 1,024 with k = 39 at
-density 0.1, of 256 with k = 1 at 0.01, of 4,096 with k = 1 at 0.001). Memory beside the
+density 0.1, of 256 with k = 1 at 0.01, of 4,096 with k = 1 at 0.001). Compute: three
+real FFTs of the model's length a step (:func:`dct`, :func:`idct`: the transform, the sent
+part taken out, the average decoded), ``O(N log c)``. Memory beside the
 wrapped optimizer's state: the momentum (one fp32 copy of the model) and a
 work buffer of the same size.
 """
@@ -43,7 +45,7 @@ from bindings.validate import check_density, check_float, check_int
 from optim.optimizers.sparseloco import pack_indices, unpack_indices
 from optim.optimizers.wrapping import SameReplicaWrapper, set_grads
 
-__all__ = ["MAX_CHUNK", "MIN_CHUNK", "DeMo", "DeMoPlan", "dct_basis", "demo_plan"]
+__all__ = ["MAX_CHUNK", "MIN_CHUNK", "DeMo", "DeMoPlan", "dct", "demo_plan", "idct"]
 
 MIN_CHUNK = 64
 """The shortest chunk: the paper's chunk side."""
@@ -91,12 +93,40 @@ def demo_plan(density: float, world_size: int) -> DeMoPlan:
     return best
 
 
-def dct_basis(n: int) -> Tensor:
-    """The orthonormal DCT-II matrix ``C`` of size ``n`` (rows are the basis): ``X = x @ C.T``, ``x = X @ C``."""
-    i = torch.arange(n, dtype=torch.float64)
-    c = torch.cos(math.pi * (i.unsqueeze(1)) * (i.unsqueeze(0) + 0.5) / n) * math.sqrt(2.0 / n)
-    c[0] /= math.sqrt(2.0)
-    return c.float()
+def _twiddles(n: int, device: torch.device) -> Tensor:
+    """``sqrt(2 / n) * exp(-i pi k / (2 n))`` for ``k = 0 .. n/2``, ``k = 0`` also over ``sqrt(2)``.
+
+    The orthonormal scale folded into the DFT's phase shift.
+    """
+    k = torch.arange(n // 2 + 1, dtype=torch.float64)
+    scale = torch.full_like(k, math.sqrt(2.0 / n))
+    scale[0] = math.sqrt(1.0 / n)
+    return torch.polar(scale, -math.pi * k / (2 * n)).to(torch.complex64).to(device)
+
+
+def dct(x: Tensor) -> Tensor:
+    """The orthonormal DCT-II along the last dimension (an even length ``n``), through one real FFT of length ``n``.
+
+    ``X[k] = s_k * sum_j x[j] cos(pi k (2 j + 1) / (2 n))`` with ``s_0 = sqrt(1 / n)``, ``s_k = sqrt(2 / n)``
+    (Makhoul 1980: the even positions, then the odd ones reversed, make a sequence whose DFT gives the DCT).
+    :func:`idct` inverts it.
+    """
+    n = x.shape[-1]
+    v = torch.cat([x[..., 0::2], x[..., 1::2].flip(-1)], dim=-1)
+    z = torch.fft.rfft(v, dim=-1) * _twiddles(n, x.device)
+    return torch.cat([z.real, -z.imag[..., 1 : n // 2].flip(-1)], dim=-1)
+
+
+def idct(y: Tensor) -> Tensor:
+    """The inverse of :func:`dct` (the orthonormal DCT-III) along the last dimension, through one inverse real FFT."""
+    n = y.shape[-1]
+    w = 1.0 / _twiddles(n, y.device)  # undoes the scale and the phase
+    upper = torch.cat([torch.zeros_like(y[..., :1]), y.flip(-1)[..., : n // 2]], dim=-1)  # y[n - k], y[n] = 0
+    v = torch.fft.irfft(torch.complex(y[..., : n // 2 + 1], -upper) * w, n=n, dim=-1)
+    x = torch.empty_like(y)
+    x[..., 0::2] = v[..., : n // 2]
+    x[..., 1::2] = v[..., n // 2 :].flip(-1)
+    return x
 
 
 class DeMo(SameReplicaWrapper):
@@ -157,7 +187,6 @@ class DeMo(SameReplicaWrapper):
         self._chunks = -(-b.numel // c)
         self._momentum = torch.zeros(self._chunks * c, dtype=torch.float32, device=b.device)
         self._work = torch.zeros_like(self._momentum)
-        self._basis = dct_basis(c).to(b.device)
 
     @property
     def momentum(self) -> Tensor:
@@ -200,12 +229,12 @@ class DeMo(SameReplicaWrapper):
     def _fast_average(self) -> Tensor:
         """Send this rank's fast components, take them out of the momentum; the ranks' average in the work buffer."""
         c, k, ws, chunks = self.plan.chunk, self.plan.k, self._bucket.world_size, self._chunks
-        basis, m = self._basis, self._momentum.view(chunks, c)
-        spectrum = m @ basis.T
+        m = self._momentum.view(chunks, c)
+        spectrum = dct(m)
         idx = torch.topk(spectrum.abs(), k, dim=1, sorted=False).indices
         vals = spectrum.gather(1, idx)
         sent = torch.zeros_like(spectrum).scatter_(1, idx, vals)
-        m.sub_(sent @ basis)
+        m.sub_(idct(sent))
         positions = pack_indices(idx.reshape(-1), self.plan.width)
         all_vals = torch.empty(ws * vals.numel(), dtype=torch.float32, device=m.device)
         all_pos = torch.empty(ws * positions.numel(), dtype=torch.uint8, device=m.device)
@@ -218,7 +247,7 @@ class DeMo(SameReplicaWrapper):
             pos = unpack_indices(all_pos.view(ws, -1)[r], chunks * k, self.plan.width)
             total.index_put_((rows, pos), all_vals.view(ws, -1)[r], accumulate=True)
         total.div_(ws)
-        return self._work.view(chunks, c).copy_(total @ basis).view(-1)
+        return self._work.view(chunks, c).copy_(idct(total)).view(-1)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> StateDict:

@@ -3,8 +3,8 @@
 * Every step's parameters equal, bit for bit, those of the ranks simulated in
   one process (dense warm-up, then each rank's top-k DCT components of its
   momentum per chunk); the replicas stay one model; wire bytes per step are the plan's.
-* The plan fits the density; the DCT basis is orthonormal; state dicts resume
-  bit for bit; bad input raises on every rank.
+* The plan fits the density; the fast DCT is the orthonormal DCT-II and its
+  inverse; state dicts resume bit for bit; bad input raises on every rank.
 """
 
 from __future__ import annotations
@@ -29,11 +29,10 @@ def _flat(model: torch.nn.Module) -> torch.Tensor:
 
 def _simulate(ws: int) -> list[torch.Tensor]:
     """The model after every step, all in this process."""
-    from optim.optimizers.demo import dct_basis, demo_plan
+    from optim.optimizers.demo import dct, demo_plan, idct
 
     plan = demo_plan(DENSITY, ws)
     c, k = plan.chunk, plan.k
-    basis = dct_basis(c)
     model = _model()
     inner = torch.optim.SGD(model.parameters(), lr=LR, weight_decay=0.1)
     n = _flat(model).numel()
@@ -57,12 +56,12 @@ def _simulate(ws: int) -> list[torch.Tensor]:
             total = torch.zeros(chunks, c)
             for r in range(ws):
                 mom[r] = mom[r] * BETA + grads[r]
-                spec = mom[r].view(chunks, c) @ basis.T
+                spec = dct(mom[r].view(chunks, c))
                 idx = torch.topk(spec.abs(), k, dim=1, sorted=False).indices
                 sent = torch.zeros_like(spec).scatter_(1, idx, spec.gather(1, idx))
-                mom[r] = (mom[r].view(chunks, c) - sent @ basis).view(-1)
+                mom[r] = (mom[r].view(chunks, c) - idct(sent)).view(-1)
                 total += sent
-            q = ((total / ws) @ basis).view(-1)
+            q = idct(total / ws).view(-1)
         step = torch.sign(q[:n])
         off = 0
         for p in model.parameters():
@@ -137,14 +136,26 @@ def test_the_plan_at_four_ranks() -> None:
         demo_plan(0.0005, 4)
 
 
-def test_dct_basis_is_orthonormal() -> None:
-    from optim.optimizers.demo import dct_basis
+def _dct_matrix(n: int) -> torch.Tensor:
+    """The orthonormal DCT-II by its definition, in float64 (rows are the basis)."""
+    j = torch.arange(n, dtype=torch.float64)
+    c = torch.cos(torch.pi * j.unsqueeze(1) * (j.unsqueeze(0) + 0.5) / n) * (2.0 / n) ** 0.5
+    c[0] /= 2.0**0.5
+    return c
 
-    for n in (4, 64, 256):
-        c = dct_basis(n).double()
-        assert torch.allclose(c @ c.T, torch.eye(n, dtype=torch.float64), atol=1e-5)
-    x = torch.arange(8.0)
-    assert torch.allclose((x @ dct_basis(8).T)[0], x.sum() / 8**0.5)  # the first component is the mean's
+
+@pytest.mark.parametrize("n", [2, 4, 64, 1024, 4096])
+def test_fast_dct_is_the_orthonormal_dct(n: int) -> None:
+    from optim.optimizers.demo import dct, idct
+
+    basis = _dct_matrix(n)
+    assert torch.allclose(basis @ basis.T, torch.eye(n, dtype=torch.float64), atol=1e-12)
+    x = torch.randn(3, n, dtype=torch.float64, generator=torch.Generator().manual_seed(n))
+    spectrum = dct(x.float()).double()
+    assert torch.allclose(spectrum, x @ basis.T, atol=1e-5)  # the DCT-II
+    assert torch.allclose(idct(x.float()).double(), x @ basis, atol=1e-5)  # its transpose, the DCT-III
+    assert torch.allclose(idct(dct(x.float())).double(), x, atol=1e-5)  # and its inverse
+    assert torch.allclose(spectrum[:, 0], x.sum(1) / n**0.5, atol=1e-5)  # the first component is the mean's
 
 
 def _resume(rank: int, ws: int, cut: int) -> dict[str, Any]:
