@@ -250,6 +250,11 @@ class DeMo(SameReplicaWrapper):
         return self._work.view(chunks, c).copy_(idct(total)).view(-1)
 
     # ------------------------------------------------------------------ state
+    @property
+    def local_state(self) -> dict[str, Tensor]:
+        """What the wrapper keeps beside the wrapped optimizer's state, by name (this rank's momentum)."""
+        return {"momentum": self._momentum}
+
     def state_dict(self) -> StateDict:
         """The wrapped optimizer's state dict, plus ``"demo"``: the step, this rank and its momentum.
 

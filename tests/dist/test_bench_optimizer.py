@@ -13,6 +13,7 @@ from optim.apps.benchmarks.optimizer import (
 )
 from optim.apps.cli.bench import format_optimizer_table
 from optim.apps.train_job.model import GPT
+from optim.optimizers.demo import demo_plan
 from sparsecomm.quantized import Quantizer
 from tests.dist.harness import run_ranks
 
@@ -37,6 +38,8 @@ NAMES = [
     "local-adamw@0.1",
     "local-adamw@0.01",
     "coded-adamw@0.1",
+    "demo-sgd@0.1",
+    "demo-sgd@0.01",
 ]
 SHARDED = NAMES[:6]
 
@@ -145,6 +148,15 @@ def test_optimizer_bench_structure_and_sanity() -> None:
     }
     q2, q4 = Quantizer(bits=2, block=64), Quantizer(bits=4, block=128)
     assert coded["wire_bytes_per_step_by_op"] == {"coded_gradients": q2.encoded_bytes(shard) + q4.encoded_bytes(shard)}
+    # SGD inside DeMo: no state of SGD's own, this rank's momentum over whole chunks; one all_gather of each
+    # rank's k values per chunk and their bit-packed positions (to the one other rank)
+    for d in (0.1, 0.01):
+        plan = demo_plan(d, 2)
+        chunks = -(-n // plan.chunk)
+        r = rows[f"demo-sgd@{d:g}"]
+        assert r["state_bytes_by_part"] == {"momentum": 4 * chunks * plan.chunk}
+        payload = chunks * plan.k * 4 + -(-chunks * plan.k * plan.width // 8)
+        assert r["wire_bytes_per_step_by_op"] == {"demo": payload}
     # 0.01: LocalAdamS averages no first moments either (its measured normalizer adds the noise sketch)
     local_codes = rows["local@0.01"]["wire_bytes_per_step_by_op"]["quantized_all_reduce"]
     assert rows["local-adamw@0.01"]["wire_bytes_per_step_by_op"]["quantized_all_reduce"] == local_codes
@@ -153,6 +165,12 @@ def test_optimizer_bench_structure_and_sanity() -> None:
     for r in rows.values():
         assert r["speedup"] == pytest.approx(rows["adams"]["step_ms"] / r["step_ms"])
     table = format_optimizer_table(bench).splitlines()
-    assert len(table) == 4 + len(NAMES) and table[-1].split()[0] == "coded-adamw@0.1"
-    plain = OptimizerBenchConfig(inline_rows=False, local_rows=False, local_adamw_rows=False, coded_rows=False)
+    assert len(table) == 4 + len(NAMES) and table[-1].split()[0] == "demo-sgd@0.01"
+    plain = OptimizerBenchConfig(
+        inline_rows=False, local_rows=False, local_adamw_rows=False, coded_rows=False, demo_rows=False
+    )
     assert [n for n, _, _ in bench_variants(plain)] == ["adamw", "adams", "scape@0.1", "scape@0.01"]
+    low = OptimizerBenchConfig(
+        densities=(0.1, 1e-4), inline_rows=False, local_rows=False, local_adamw_rows=False, coded_rows=False
+    )  # DeMo only where one component of its longest chunk fits the bytes
+    assert [n for n, _, _ in bench_variants(low)] == ["adamw", "adams", "scape@0.1", "scape@0.0001", "demo-sgd@0.1"]

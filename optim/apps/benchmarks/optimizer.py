@@ -21,6 +21,8 @@ initialisation on every rank) and, for each variant
   ``local_adamw_rows`` is on,
 * ``coded-adamw@D``: :class:`torch.optim.AdamW` inside :class:`optim.CodedGradients`
   at each density ``D`` its codes fit (from 0.037), when ``coded_rows`` is on,
+* ``demo-sgd@D``: :class:`torch.optim.SGD` inside :class:`optim.DeMo` at each density
+  ``D`` its plan fits (:func:`optim.optimizers.demo.demo_plan`), when ``demo_rows`` is on,
 
 builds the optimizer exactly as the training job does
 (:func:`optim.apps.train_job.train.build_optimizer`: weight decay on matrices, global-norm clip),
@@ -62,6 +64,7 @@ from optim.apps.train_job.job_config import TrainConfig, build_optimizer
 from optim.apps.train_job.model import GPT, GPTConfig
 from optim.apps.train_job.train import joined_group
 from optim.optimizers.coded_gradients import CODED_MIN_DENSITY
+from optim.optimizers.demo import demo_plan
 
 __all__ = [
     "OptimizerBenchConfig",
@@ -94,6 +97,7 @@ class OptimizerBenchConfig:
     local_variant_rows: bool = True  # And LocalAdamS with overlap=True, and with a bfloat16 normalizer EMA.
     local_adamw_rows: bool = True  # Also time torch.optim.AdamW wrapped by LocalOptimizer at each density.
     coded_rows: bool = True  # Also time torch.optim.AdamW inside CodedGradients at each density it fits.
+    demo_rows: bool = True  # Also time torch.optim.SGD inside DeMo at each density its plan fits.
     scape_warmup_steps: int = 1  # SCAPE: dense steps before sparsity starts.
     mask_delay: int = 1  # SCAPE: the mask made after step t is used at step t + 1 + mask_delay.
     lr: float = 1e-3  # Constant learning rate of every optimizer.
@@ -178,7 +182,17 @@ def bench_variants(config: OptimizerBenchConfig) -> list[tuple[str, str, float]]
         out += [(f"local-adamw@{d:g}", "local-adamw", float(d)) for d in config.densities]
     if config.coded_rows:
         out += [(f"coded-adamw@{d:g}", "coded-adamw", float(d)) for d in config.densities if d >= CODED_MIN_DENSITY]
+    if config.demo_rows:
+        out += [(f"demo-sgd@{d:g}", "demo-sgd", float(d)) for d in config.densities if _demo_fits(d, config.nproc)]
     return out
+
+
+def _demo_fits(density: float, world_size: int) -> bool:
+    try:
+        demo_plan(density, world_size)
+    except ValueError:
+        return False
+    return True
 
 
 def _batch(config: OptimizerBenchConfig, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,7 +207,7 @@ def _state_bytes(opt: Any) -> dict[str, int]:
     The master shard counts only where it is memory of its own: a master kept in the parameters
     themselves (SCAPE, LocalAdamS with fp32 parameters) is the model's memory, not the optimizer's.
     """
-    local_state = getattr(opt, "local_state", None)  # LocalOptimizer, CodedGradients: what the wrapper keeps
+    local_state = getattr(opt, "local_state", None)  # LocalOptimizer, CodedGradients, DeMo: what the wrapper keeps
     if local_state is not None:  # the wrapped optimizer's own state, then what the averaging keeps
         parts: dict[str, int] = {}
         for st in opt.state.values():

@@ -234,6 +234,7 @@ def _cmd_optimizer(args: argparse.Namespace) -> int:
             local_variant_rows=args.local_variant_rows,
             local_adamw_rows=args.local_adamw_rows,
             coded_rows=args.coded_rows,
+            demo_rows=args.demo_rows,
             scape_warmup_steps=args.scape_warmup_steps,
             mask_delay=args.mask_delay,
             seed=args.seed,
@@ -299,6 +300,12 @@ def _add_optimizer_parser(inner: Any) -> None:
         action=argparse.BooleanOptionalAction,
         default=d.coded_rows,
         help="also time torch.optim.AdamW inside CodedGradients (coded-adamw) at each density its codes fit",
+    )
+    p.add_argument(
+        "--demo-rows",
+        action=argparse.BooleanOptionalAction,
+        default=d.demo_rows,
+        help="also time torch.optim.SGD inside DeMo (demo-sgd) at each density its plan fits",
     )
     p.add_argument("--scape-warmup-steps", type=int, default=d.scape_warmup_steps, help="SCAPE: dense steps first")
     p.add_argument("--mask-delay", type=int, default=d.mask_delay, help="SCAPE: mask delay D")
