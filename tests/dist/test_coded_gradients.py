@@ -7,17 +7,20 @@
 * Error feedback loses nothing: the steps' decoded averages sum to the true
   averages' sum less what the residuals hold.
 * State dicts resume bit for bit, also on another world size; bad input raises on every rank.
+* The train job's ``coded-adams`` is AdamS on the same coded average, bit for bit.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 
+from optim.apps.train_job.job_config import TrainConfig, build_optimizer
 from sparsecomm.quantized import Quantizer
 from tests.dist.harness import build_outcome, case_on_rank, run_ranks
 from tests.dist.test_local import _loss, _model
@@ -26,6 +29,9 @@ from tests.dist.wrapped import resumed_run
 pytestmark = pytest.mark.dist
 
 STEPS, WARM = 8, 2
+
+CODED_ADAMS = TrainConfig(optimizer="coded-adams", density=0.1, sparse_warmup_steps=WARM, lr=0.05, grad_clip=0.0)
+"""The train job's AdamS inside CodedGradients, unclipped (the simulation does not clip)."""
 
 
 def _flat(model: torch.nn.Module) -> torch.Tensor:
@@ -48,11 +54,17 @@ def _adam_scale(model: torch.nn.Module, inner: torch.optim.AdamW, padded: int) -
     return torch.cat([d, torch.ones(padded - d.numel())])
 
 
-def _simulate(ws: int, bits: tuple[int, int], adam: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+
+
+def _simulate(
+    ws: int, bits: tuple[int, int], adam: bool = True, make_inner: Callable[[torch.nn.Module], Any] = _adamw
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The model after every step and the true average gradient of every step, all in this process."""
     send, gather = Quantizer(bits=bits[0], block=64), Quantizer(bits=bits[1], block=128)
     model = _model()
-    inner = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    inner = make_inner(model)
     n = _flat(model).numel()
     chunk = math.ceil(n / ws)
     residual = [torch.zeros(chunk * ws) for _ in range(ws)]
@@ -145,6 +157,38 @@ def test_every_step_is_the_ranks_simulated_in_one_process_bit_for_bit(bits: tupl
     chunk = res[0]["chunk"]
     for t, b in enumerate(res[0]["sent"]):  # one chunk to the other rank each way
         assert b == (0 if t < WARM else send.encoded_bytes(chunk) + gather.encoded_bytes(chunk)), t
+
+
+def _train_job_adams(rank: int, ws: int) -> list[list[float]]:
+    """The train job's ``coded-adams``: AdamS inside CodedGradients, built from its config."""
+    model = _model()
+    opt = build_optimizer(CODED_ADAMS, model)
+    assert type(opt).__name__ == "CodedGradients" and type(opt.optimizer).__name__ == "AdamS"  # type: ignore[attr-defined]
+    flats = []
+    for t in range(STEPS):
+        opt.zero_grad()
+        _loss(model, rank, t).backward()
+        opt.step()
+        flats.append(_flat(model).tolist())
+    return flats
+
+
+def _adams(model: torch.nn.Module) -> torch.optim.Optimizer:
+    from optim import AdamS
+
+    c = CODED_ADAMS
+    return AdamS(model.parameters(), lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay)
+
+
+def test_the_train_jobs_coded_adams_is_adams_on_the_coded_average() -> None:
+    """AdamS (no Adam denominator to precondition by: the raw gradient in codes), bit for bit."""
+    ws = 2
+    res = run_ranks(_train_job_adams, ws, timeout=60)
+    ref, _ = _simulate(ws, (2, 4), adam=False, make_inner=_adams)  # density 0.1: 2-bit codes out, 4-bit back
+    for t in range(STEPS):
+        assert res[0][t] == res[1][t], f"step {t}: the replicas differ"
+        assert torch.equal(torch.tensor(res[0][t]), ref[t]), f"step {t}"
+    assert CODED_ADAMS.optimizer_config()["class"] == "optim.CodedGradients(optim.AdamS)"
 
 
 @pytest.mark.parametrize("adam", [True, False])

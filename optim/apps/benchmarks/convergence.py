@@ -106,6 +106,7 @@ METHODS = (
     "sparseloco",
     "maskedloco",
     "coded",
+    "coded-adams",
     "topk-adamw",
     "periodic-adamw",
     "demo",
@@ -133,7 +134,8 @@ and :class:`optim.SparseLoCo` (``sparseloco``: period and chunk-wise top-k of
 :func:`optim.optimizers.sparseloco.sparseloco_plan`, 2-bit codes, error feedback as outer momentum); and a
 candidate of this library's own, :class:`optim.MaskedLoCo` (``maskedloco``: SparseLoCo over a mask of each
 rank's shard agreed one outer step ahead, only values in codes through a reduce-scatter and an all-gather);
-:class:`optim.CodedGradients` (``coded``); and two classic baselines around :class:`torch.optim.AdamW`:
+:class:`optim.CodedGradients` around AdamW (``coded``) and around :class:`optim.AdamS` (``coded-adams``, judged against
+dense AdamS); and two classic baselines around :class:`torch.optim.AdamW`:
 :class:`optim.TopKGradients` (``topk-adamw``: every step the average of every rank's top-k gradient entries, error
 feedback) and periodic averaging (``periodic-adamw``: DiLoCo's period, the replicas' plain average as the outer
 step); and :class:`optim.DeMo` around :class:`torch.optim.SGD` at AdamW's learning rate and weight decay (``demo``:
@@ -282,6 +284,7 @@ _METHOD_OVERRIDES: dict[str, JsonObject] = {
     "sparseloco": {"optimizer": "sparseloco-adamw"},
     "maskedloco": {"optimizer": "maskedloco-adamw"},
     "coded": {"optimizer": "coded-adamw"},
+    "coded-adams": {"optimizer": "coded-adams"},
     "topk-adamw": {"optimizer": "topk-adamw"},
     "periodic-adamw": {"optimizer": "periodic-adamw"},
     "demo": {"optimizer": "demo-sgd"},

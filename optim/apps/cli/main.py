@@ -113,7 +113,8 @@ def _add_train_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
         "the PowerSGD hook (--powersgd-rank) or sparsecomm's sparse hook (--density) + torch AdamW; torch AdamW "
         "wrapped at --density's bytes: local-adamw (LocalOptimizer), coded-adamw (CodedGradients), topk-adamw "
         "(TopKGradients), diloco-adamw / periodic-adamw (DiLoCo, Nesterov or plain averaging), sparseloco-adamw, "
-        "maskedloco-adamw; demo-sgd: torch SGD inside DeMo (signum on the ranks' fast momentum components)",
+        "maskedloco-adamw; coded-adams: AdamS inside CodedGradients; demo-sgd: torch SGD inside DeMo (signum on "
+        "the ranks' fast momentum components)",
     )
     p.add_argument(
         "--density", type=float, default=d.density, help="sparse optimizers: fraction of the dense bytes per step"

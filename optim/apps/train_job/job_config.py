@@ -13,6 +13,7 @@ from bindings.validate import check_bool, check_density
 from optim.apps.train_job.data import DEFAULT_MAX_BYTES
 from optim.apps.train_job.model import GPTConfig
 from optim.apps.train_job.tasks import TaskSpec, check_choices
+from optim.optimizers.adams import AdamS
 from optim.optimizers.coded_gradients import CodedGradients
 from optim.optimizers.demo import DeMo
 from optim.optimizers.diloco import DiLoCo, diloco_period
@@ -32,6 +33,7 @@ __all__ = [
     "OUTER_LOOPS",
     "PERIODIC_OUTER",
     "WRAPPED_ADAMW",
+    "WRAPPED_ADAMS",
     "WRAPPED_SGD",
     "WRAPPERS",
     "SPARSE_OPTIMIZERS",
@@ -56,6 +58,7 @@ OPTIMIZERS = (
     "sparseloco-adamw",
     "maskedloco-adamw",
     "coded-adamw",
+    "coded-adams",
     "topk-adamw",
     "demo-sgd",
 )
@@ -64,8 +67,9 @@ OPTIMIZERS = (
 :class:`torch.optim.AdamW` inside :class:`optim.DiLoCo`, :class:`optim.SparseLoCo` or :class:`optim.MaskedLoCo` at
 the density's bytes per step (``diloco-adamw``, ``sparseloco-adamw``, ``maskedloco-adamw``; ``periodic-adamw``:
 DiLoCo's period with the plain average of the replicas as its outer step), inside
-:class:`optim.CodedGradients` (``coded-adamw``: the average gradient in codes of the density's bytes) or
-:class:`optim.TopKGradients` (``topk-adamw``: the average of every rank's top-k gradient entries),
+:class:`optim.CodedGradients` (``coded-adamw``: the average gradient in codes of the density's bytes;
+``coded-adams``: the same around :class:`optim.AdamS`) or :class:`optim.TopKGradients` (``topk-adamw``: the
+average of every rank's top-k gradient entries),
 :class:`torch.optim.SGD` inside :class:`optim.DeMo` (``demo-sgd``: DeMo's signum step on the ranks' fast momentum
 components), and
 :class:`torch.optim.AdamW` with the gradients
@@ -83,6 +87,7 @@ SPARSE_OPTIMIZERS = (
     "sparseloco-adamw",
     "maskedloco-adamw",
     "coded-adamw",
+    "coded-adams",
     "topk-adamw",
     "demo-sgd",
 )
@@ -107,7 +112,10 @@ WRAPPED_ADAMW: dict[str, type[WrappingOptimizer]] = {
 WRAPPED_SGD: dict[str, type[WrappingOptimizer]] = {"demo-sgd": DeMo}
 """The choices that wrap :class:`torch.optim.SGD` without momentum (DeMo's step: ``lr * (sign(Q) + wd * theta)``)."""
 
-WRAPPERS: dict[str, type[WrappingOptimizer]] = {**WRAPPED_ADAMW, **WRAPPED_SGD}
+WRAPPED_ADAMS: dict[str, type[WrappingOptimizer]] = {"coded-adams": CodedGradients}
+"""The choices that wrap the plain (per-replica) :class:`optim.AdamS`."""
+
+WRAPPERS: dict[str, type[WrappingOptimizer]] = {**WRAPPED_ADAMW, **WRAPPED_SGD, **WRAPPED_ADAMS}
 """Every choice that wraps a torch optimizer, and its wrapper."""
 
 PERIODIC_OUTER: JsonObject = {"outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False}
@@ -269,11 +277,14 @@ class TrainConfig:
             out = {"name": self.optimizer, "class": "torch.optim.AdamW", "grad_clip": self.grad_clip, **common}
             return {**out, **self.sparse_kwargs()}
         if self.optimizer in WRAPPERS:
-            inner = "SGD" if self.optimizer in WRAPPED_SGD else "AdamW"
-            wrapper = WRAPPERS[self.optimizer].__name__
-            if inner == "SGD":
+            inner = "torch.optim.AdamW"
+            if self.optimizer in WRAPPED_SGD:
+                inner = "torch.optim.SGD"
                 common = {"lr": self.lr, "weight_decay": self.weight_decay}
-            out = {"name": self.optimizer, "class": f"optim.{wrapper}(torch.optim.{inner})", **common}
+            elif self.optimizer in WRAPPED_ADAMS:
+                inner = "optim.AdamS"
+            wrapper = WRAPPERS[self.optimizer].__name__
+            out = {"name": self.optimizer, "class": f"optim.{wrapper}({inner})", **common}
             return {**out, "max_grad_norm": self.grad_clip, **self.sparse_kwargs()}
         cls = _CLASSES[self.optimizer]
         out = {"name": self.optimizer, "class": f"optim.{cls.__name__}", **common, "max_grad_norm": self.grad_clip}
@@ -292,7 +303,14 @@ class TrainConfig:
                 "warmup_steps": self.sparse_warmup_steps,
                 **PERIODIC_OUTER,
             }
-        if self.optimizer in ("sparseloco-adamw", "maskedloco-adamw", "coded-adamw", "topk-adamw", "demo-sgd"):
+        if self.optimizer in (
+            "sparseloco-adamw",
+            "maskedloco-adamw",
+            "coded-adamw",
+            "coded-adams",
+            "topk-adamw",
+            "demo-sgd",
+        ):
             return {"density": self.density, "warmup_steps": self.sparse_warmup_steps}
         averaging = {  # LocalAdamS's and LocalOptimizer's averaging (optim.optimizers.averaging.Averaging)
             "density": self.density,
@@ -348,6 +366,9 @@ def build_optimizer(config: TrainConfig, model: torch.nn.Module) -> torch.optim.
             lr=config.lr,
         )
         return WRAPPED_SGD[config.optimizer](sgd, model, max_grad_norm=config.grad_clip, **config.sparse_kwargs())
+    if config.optimizer in WRAPPED_ADAMS:  # AdamS decays the matrices only (wd_min_ndim=2), as above
+        adams = AdamS(params, lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay)
+        return WRAPPED_ADAMS[config.optimizer](adams, model, max_grad_norm=config.grad_clip, **config.sparse_kwargs())
     if config.optimizer in TORCH_ADAMW or config.optimizer in WRAPPED_ADAMW:
         adamw = torch.optim.AdamW(
             [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],

@@ -126,7 +126,7 @@ class ResilienceConfig:
         if config.optimizer in TORCH_ADAMW or config.optimizer in OUTER_LOOPS:
             raise ValueError(
                 "resilient training needs one of our optimizers (adams, adamw, scape, local-adams, local-adamw, "
-                "coded-adamw, topk-adamw, demo-sgd, topk-adams), "
+                "coded-adamw, coded-adams, topk-adamw, demo-sgd, topk-adams), "
                 f"not {config.optimizer}"
             )
         for slot, step in self.kills:
