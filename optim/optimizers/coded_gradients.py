@@ -19,9 +19,6 @@ its own ``sqrt(v_hat) + eps``. For Adam and AdamW (``precondition="adam"``,
 the default for them) the codes carry the gradient divided by that
 denominator, which every rank holds alike, so their error is even over the
 coordinates as the step sees them; the residuals stay in the gradient's units.
-For :class:`optim.AdamS` (``precondition="adams"``, its default) the divisor
-is the part of its denominator known before the step, from the momentum
-every rank holds alike: ``sqrt(beta2) * |m_{t-1}| / c_t + eps``.
 
 Wire bytes per step: the mean of the two directions' bits per value over 32
 of a dense fp32 all_reduce (:func:`wire_cost`; at density 0.1, 2-bit codes
@@ -34,7 +31,6 @@ when preconditioning, one flat fp32 copy of the denominator.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -44,7 +40,6 @@ from torch.optim import Optimizer
 from torch.optim.optimizer import StateDict
 
 from bindings.validate import check_choice, check_density, check_int
-from optim.optimizers.adams import AdamS, bias_correction_factor
 from optim.optimizers.wrapping import SameReplicaWrapper, adam_moments, set_grads
 from sparsecomm.quantized import QUANT_BITS, Quantizer, quantized_all_reduce
 
@@ -67,7 +62,7 @@ GATHER_BLOCK = 128
 """Values per scale of the codes of the averages the owners send to every rank."""
 
 
-PRECONDITIONS = ("auto", "adam", "adams", "none")
+PRECONDITIONS = ("auto", "adam", "none")
 """Choices of ``CodedGradients(precondition=...)``."""
 
 SCALE_FLOOR = 0.01
@@ -124,9 +119,8 @@ class CodedGradients(SameReplicaWrapper):
         precondition: ``"adam"``: the codes carry every gradient divided by the wrapped Adam's or AdamW's
             denominator ``sqrt(v_hat) + eps`` (the same on every rank: the replicas are one model), so their
             error is even over the coordinates as Adam's step sees them, not over their raw magnitudes;
-            ``"adams"``: divided by the part of :class:`optim.AdamS`'s denominator every rank holds before the
-            step, ``sqrt(beta2) * |m_{t-1}| / c_t + eps``; ``"none"``: the raw gradient; ``"auto"`` (default):
-            ``"adam"`` for Adam and AdamW without ``amsgrad``, ``"adams"`` for AdamS, ``"none"`` for others.
+            ``"none"``: the raw gradient; ``"auto"`` (default): ``"adam"`` for Adam and AdamW without
+            ``amsgrad``, ``"none"`` for others.
         max_grad_norm: Clip the averaged gradient to this global norm (0: no clipping).
         group: The process group (default: the default group of :mod:`sparsecomm.distributed`).
 
@@ -173,15 +167,10 @@ class CodedGradients(SameReplicaWrapper):
                 f"precondition='adam' divides by the second moment of torch.optim.Adam / AdamW without amsgrad, "
                 f"not of {type(optimizer).__name__}: use precondition='none'"
             )
-        if precondition == "adams" and not isinstance(optimizer, AdamS):
-            raise ValueError(
-                f"precondition='adams' divides by the momentum of optim.AdamS, not of {type(optimizer).__name__}: "
-                "use precondition='none'"
-            )
         if precondition == "auto":
-            precondition = "adam" if adam_moments(optimizer) else "adams" if isinstance(optimizer, AdamS) else "none"
+            precondition = "adam" if adam_moments(optimizer) else "none"
         self.precondition = precondition
-        """``"adam"``, ``"adams"`` or ``"none"`` (``"auto"`` resolved)."""
+        """``"adam"`` or ``"none"`` (``"auto"`` resolved)."""
         codes = f"{self.quantizer.bits}|{self.gather_quantizer.bits}"
         return f"{self.density}|{codes}|{self.warmup_steps}|{self.precondition}"
 
@@ -189,7 +178,7 @@ class CodedGradients(SameReplicaWrapper):
         b = self._bucket
         self._residual = b.new_flat()  # what this rank's codes dropped, added to its next gradient
         self._own_residual = b.new_shard()  # what the codes of this rank's chunk of the average dropped
-        self._scale = None if self.precondition == "none" else b.new_flat()  # the step's denominator, per position
+        self._scale = b.new_flat() if self.precondition == "adam" else None  # Adam's denominator, per position
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -211,7 +200,7 @@ class CodedGradients(SameReplicaWrapper):
         b, g = self._bucket, self._grad
         missing = set(b.gather_grads(g))
         g.add_(self._residual)
-        scale = self._step_scale()
+        scale = self._adam_scale()
         own = self._own_residual
         if scale is not None:  # the codes see the gradient as Adam's step will
             own_scale = b.own_slice(scale)
@@ -234,14 +223,12 @@ class CodedGradients(SameReplicaWrapper):
         own[max(0, b.numel - b.shard_lo) :].zero_()
         set_grads(b, g, missing)
 
-    def _step_scale(self) -> Tensor | None:
-        """Fill the scale buffer with the step's denominator per position.
+    def _adam_scale(self) -> Tensor | None:
+        """Fill the scale buffer with Adam's denominator ``sqrt(v_hat) + eps`` per position (``precondition="adam"``).
 
-        ``precondition="adam"``: Adam's ``sqrt(v_hat) + eps``; ``"adams"``: AdamS's ``sqrt(beta2) * |m| / c + eps``
-        with the momentum before the step and ``c = 1 - beta1^t`` of the step to come (1 without bias correction).
         The same on every rank (the wrapped optimizers' states are). Floored at 1% of its mean over the tensor, so
-        a coordinate whose statistic is still 0 does not blow its block up; 1 where a parameter has no state yet
-        and in the padding. ``None`` without preconditioning.
+        a coordinate whose ``v`` is still 0 does not blow its block up; 1 where a parameter has no state yet and in
+        the padding. ``None`` without preconditioning.
         """
         scale = self._scale
         if scale is None:
@@ -249,22 +236,17 @@ class CodedGradients(SameReplicaWrapper):
         scale.fill_(1.0)
         b = self._bucket
         offsets = {id(p): off for p, off in zip(b.params, b.offsets, strict=True)}
-        adams = self.precondition == "adams"
         for group in self.optimizer.param_groups:
-            (beta1, beta2), eps = group["betas"], group["eps"]
+            beta2, eps = group["betas"][1], group["eps"]
             for p in group["params"]:
                 st = self.optimizer.state.get(p)
-                if not st or ("exp_avg" if adams else "exp_avg_sq") not in st:
+                if not st or "exp_avg_sq" not in st:
                     continue
                 off = offsets[id(p)]
                 view = scale[off : off + p.numel()].view(p.shape)
-                if adams:
-                    c = bias_correction_factor(beta1, int(st["step"]) + 1, group["bias_correction"])
-                    torch.mul(st["exp_avg"].abs(), math.sqrt(beta2) / c, out=view)
-                else:
-                    torch.div(st["exp_avg_sq"], 1.0 - beta2 ** float(st["step"]), out=view)
-                    view.sqrt_()
-                view.add_(eps).clamp_(min=float(view.mean()) * SCALE_FLOOR)
+                torch.div(st["exp_avg_sq"], 1.0 - beta2 ** float(st["step"]), out=view)
+                view.sqrt_().add_(eps)
+                view.clamp_(min=float(view.mean()) * SCALE_FLOOR)
         return scale
 
     # ------------------------------------------------------------------ state
