@@ -203,7 +203,8 @@ def format_optimizer_table(bench: JsonObject) -> str:
         "under compute is measured against); /inline = SCAPE with its next mask piece built inside opt.step(); "
         "local = LocalAdamS with its defaults (state: full-size m, normalizer and anchor, the code residual of its "
         "shard; at 0.1 the first moment's anchor and residual too), /overlap with overlap=True, /lean with the "
-        "normalizer in bfloat16",
+        "normalizer in bfloat16; local-adamw / coded-adamw = torch AdamW inside LocalOptimizer / CodedGradients; "
+        "demo-sgd = torch SGD inside DeMo (state: its momentum)",
         head,
     ]
     for r in bench["rows"]:
