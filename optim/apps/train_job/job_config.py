@@ -28,6 +28,7 @@ from optim.optimizers.wrapping import WrappingOptimizer
 
 __all__ = [
     "DDP_HOOKS",
+    "DENSITY_ONLY",
     "LOCAL_WIRES",
     "OPTIMIZERS",
     "OUTER_LOOPS",
@@ -43,6 +44,9 @@ __all__ = [
     "lr_at",
 ]
 
+DENSITY_ONLY = ("sparseloco-adamw", "maskedloco-adamw", "coded-adamw", "coded-adams", "topk-adamw", "demo-sgd")
+"""The sparse choices whose settings beyond the dense ones are ``density`` and ``sparse_warmup_steps`` alone."""
+
 OPTIMIZERS = (
     "adamw",
     "adams",
@@ -55,12 +59,7 @@ OPTIMIZERS = (
     "ddp-sparse-adamw",
     "diloco-adamw",
     "periodic-adamw",
-    "sparseloco-adamw",
-    "maskedloco-adamw",
-    "coded-adamw",
-    "coded-adams",
-    "topk-adamw",
-    "demo-sgd",
+    *DENSITY_ONLY,
 )
 """Choices of ``TrainConfig.optimizer``: ShardedAdamW, ShardedAdamS, SCAPE, LocalAdamS,
 :class:`torch.optim.AdamW` wrapped by :class:`optim.LocalOptimizer` (``local-adamw``), TopKAdamS,
@@ -84,12 +83,7 @@ SPARSE_OPTIMIZERS = (
     "ddp-sparse-adamw",
     "diloco-adamw",
     "periodic-adamw",
-    "sparseloco-adamw",
-    "maskedloco-adamw",
-    "coded-adamw",
-    "coded-adams",
-    "topk-adamw",
-    "demo-sgd",
+    *DENSITY_ONLY,
 )
 """The choices that take ``density`` and ``sparse_warmup_steps``."""
 
@@ -303,14 +297,7 @@ class TrainConfig:
                 "warmup_steps": self.sparse_warmup_steps,
                 **PERIODIC_OUTER,
             }
-        if self.optimizer in (
-            "sparseloco-adamw",
-            "maskedloco-adamw",
-            "coded-adamw",
-            "coded-adams",
-            "topk-adamw",
-            "demo-sgd",
-        ):
+        if self.optimizer in DENSITY_ONLY:
             return {"density": self.density, "warmup_steps": self.sparse_warmup_steps}
         averaging = {  # LocalAdamS's and LocalOptimizer's averaging (optim.optimizers.averaging.Averaging)
             "density": self.density,
